@@ -1,0 +1,57 @@
+"""vllm-d3: serve Decision 3.0 ``prefix_bidir`` checkpoints with vLLM 0.33.0.
+
+``register`` is the ``vllm.general_plugins`` entry point. vLLM calls it in every
+process it starts (API server, engine core, workers, the model-inspection
+subprocess). It is idempotent and installs, through vLLM's registries:
+
+- ``ModelRegistry``: ``D3ForSequenceClassification`` -> ``vllm_d3.model_executor.models.d3``
+- ``MODELS_CONFIG_MAP``: the D3 config contract with ``prefix_bidir``
+- ``MODEL_ARCH_CONFIG_CONVERTORS["qwen3_5"]``: checkpoint detection that turns
+  ``is_mm_prefix_lm`` on for ``prefix_bidir``
+- ``READ_STRATEGIES``: the D3 read strategy that sends ``d3_state_tokens``
+- the two monkeypatches of ``vllm_d3.patches``
+
+and logs once per process, at INFO, what it installed.
+"""
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+ARCHITECTURE = "D3ForSequenceClassification"
+_installed: list[str] = []
+
+
+def register() -> None:
+    if _installed:
+        return
+    from vllm import ModelRegistry
+    from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.transformers_utils.model_arch_config_convertor import (
+        MODEL_ARCH_CONFIG_CONVERTORS,
+    )
+
+    from . import patches
+    from .entrypoints.openai.decisions.strategies import D3Strategy
+    from .model_executor.models.config import D3ForSequenceClassificationConfig
+    from .transformers_utils.model_arch_config_convertor import (
+        D3Qwen3_5ModelArchConfigConvertor,
+    )
+
+    ModelRegistry.register_model(
+        ARCHITECTURE, "vllm_d3.model_executor.models.d3:D3ForSequenceClassification"
+    )
+    MODELS_CONFIG_MAP[ARCHITECTURE] = D3ForSequenceClassificationConfig
+    MODEL_ARCH_CONFIG_CONVERTORS["qwen3_5"] = D3Qwen3_5ModelArchConfigConvertor
+    READ_STRATEGIES[ARCHITECTURE] = D3Strategy
+    _installed.extend(
+        [
+            f"ModelRegistry[{ARCHITECTURE}]",
+            f"MODELS_CONFIG_MAP[{ARCHITECTURE}]",
+            "MODEL_ARCH_CONFIG_CONVERTORS[qwen3_5]",
+            f"READ_STRATEGIES[{ARCHITECTURE}]",
+            *(f"patch {name}" for name in patches.apply()),
+        ]
+    )
+    logger.info("vllm-d3 installed its D3 hooks: %s", ", ".join(_installed))

@@ -1,0 +1,128 @@
+"""The D3 entry of ``MODELS_CONFIG_MAP`` (upstream: ``model_executor/models/config.py``).
+
+``D3ForSequenceClassificationConfig`` extends 0.33.0's class of the same name:
+
+- ``causal`` and ``noncausal_full_attention`` go through 0.33.0's contract unchanged.
+- ``prefix_bidir`` goes through the same contract as a causal checkpoint (the text
+  layers stay decoder attention with a KV cache, reading per-request PrefixLM
+  ranges), then the *model* is marked non-causal so that chunked prefill and
+  prefix caching default to off, as for the other non-causal D3 modes.
+- ``validated_length`` becomes ``max_model_len`` when the user gave none.
+- The d3-ultra fields are validated at start-up (``d3_contract``).
+- At the ``VllmConfig`` level a prefix_bidir checkpoint refuses Model Runner V1
+  (it cannot pass the ranges) and prefix caching or chunked prefill (a state block
+  must be computed whole, with its own mask).
+"""
+
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+from vllm.model_executor.models import config as upstream
+
+from .d3_contract import (
+    PREFIX_BIDIR,
+    attention_mode_of,
+    check_decision_fields,
+    is_prefix_bidir,
+    validated_length_of,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig, VllmConfig
+
+logger = init_logger(__name__)
+
+
+def _decision_of(model_config: "ModelConfig") -> dict | None:
+    decision = getattr(model_config.hf_config, "decision_config", None)
+    return decision if isinstance(decision, dict) else None
+
+
+def _apply_validated_length(model_config: "ModelConfig", validated_length: int) -> None:
+    given = model_config.original_max_model_len
+    if given is not None:
+        logger.info(
+            "D3: --max-model-len %s given; the checkpoint's validated_length %d "
+            "is not applied",
+            given,
+            validated_length,
+        )
+        return
+    derived = model_config.max_model_len
+    if validated_length > derived:
+        logger.warning(
+            "D3: validated_length %d exceeds the model's %d positions; using %d",
+            validated_length,
+            derived,
+            derived,
+        )
+        return
+    model_config.max_model_len = validated_length
+    logger.info(
+        "D3: max_model_len %d from the checkpoint's validated_length "
+        "(pass --max-model-len to override)",
+        validated_length,
+    )
+
+
+class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConfig):
+    @staticmethod
+    def verify_and_update_model_config(model_config: "ModelConfig") -> None:
+        decision = _decision_of(model_config)
+        if decision is None or not is_prefix_bidir(decision):
+            upstream.D3ForSequenceClassificationConfig.verify_and_update_model_config(
+                model_config
+            )
+        else:
+            # 0.33.0's contract, read as causal: format, pooling, codes, labels,
+            # raw logits, and decoder attention in the text layers.
+            hf_config = model_config.hf_config
+            hf_config.decision_config = {**decision, "attention_mode": "causal"}
+            try:
+                upstream.D3ForSequenceClassificationConfig.verify_and_update_model_config(
+                    model_config
+                )
+            finally:
+                hf_config.decision_config = decision
+            # The model as a whole is not causal: the state and the question read
+            # themselves both ways. This keeps chunked prefill and prefix caching
+            # off by default; the text layers keep is_causal=True.
+            hf_config.is_causal = False
+            if not model_config.is_mm_prefix_lm:
+                raise ValueError(
+                    "D3 prefix_bidir needs is_mm_prefix_lm; the vllm-d3 checkpoint "
+                    "detection did not run (is the plugin loaded in this process?)"
+                )
+        if decision is None:
+            return
+        check_decision_fields(decision)
+        validated_length = validated_length_of(decision)
+        if validated_length is not None:
+            _apply_validated_length(model_config, validated_length)
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: "VllmConfig") -> None:
+        upstream.D3ForSequenceClassificationConfig.verify_and_update_config(
+            vllm_config
+        )
+        decision = _decision_of(vllm_config.model_config)
+        if decision is None or attention_mode_of(decision) != PREFIX_BIDIR:
+            return
+        if not vllm_config.use_v2_model_runner:
+            raise ValueError(
+                "D3 prefix_bidir checkpoints need Model Runner V2: Model Runner V1 "
+                "does not pass the state/question ranges to attention and would "
+                "answer with the wrong mask. V1 was selected (an earlier log line "
+                "says why, e.g. VLLM_USE_V2_MODEL_RUNNER=0 or no Triton)."
+            )
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "D3 prefix_bidir checkpoints do not support prefix caching yet: a "
+                "cached block would hold keys computed without the tokens after it. "
+                "Drop --enable-prefix-caching."
+            )
+        if vllm_config.scheduler_config.enable_chunked_prefill:
+            raise ValueError(
+                "D3 prefix_bidir checkpoints do not support chunked prefill: a state "
+                "or question block must be read whole. Drop --enable-chunked-prefill."
+            )

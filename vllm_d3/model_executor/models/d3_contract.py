@@ -1,0 +1,142 @@
+"""The Decision 3.0 fields that vLLM 0.33.0 does not read, and the state-size contract.
+
+Pure functions over a checkpoint's ``decision_config.json`` (a dict), shared by the
+config hook (start-up), the read strategy (API server) and the worker:
+
+- ``attention_mode_of``: the declared attention mode (``causal`` when absent).
+- ``validated_length_of``: the declared ``validated_length`` (a positive int) or None.
+- ``check_prompt_layout``: only the ``d3`` layout (or none) is understood.
+- ``temperature_schedule_of``: the d3-ultra ``temperature_by_questions`` rule or None.
+- ``state_tokens_of``: the ``d3_state_tokens`` a prefix_bidir request must carry.
+
+Every malformed value raises ``ValueError`` naming the field and the value; nothing
+is ignored or clamped.
+"""
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX_BIDIR = "prefix_bidir"
+ATTENTION_MODES = ("causal", "noncausal_full_attention", PREFIX_BIDIR)
+#: The PoolingParams.extra_kwargs key carrying a request's state block size.
+STATE_TOKENS_KEY = "d3_state_tokens"
+#: The prompt layouts this plugin renders. ``header-v1`` (d3-ultra) is not public.
+PROMPT_LAYOUTS = ("d3",)
+
+
+def _is_int(value: Any) -> bool:
+    """A real int: ``True`` is not a one-token anything."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def attention_mode_of(decision: Mapping[str, Any]) -> str:
+    return decision.get("attention_mode", "causal")
+
+
+def is_prefix_bidir(decision: Any) -> bool:
+    return isinstance(decision, Mapping) and attention_mode_of(decision) == PREFIX_BIDIR
+
+
+def validated_length_of(decision: Mapping[str, Any]) -> int | None:
+    value = decision.get("validated_length")
+    if value is None:
+        return None
+    if not _is_int(value) or value <= 0:
+        raise ValueError(
+            "decision_config.json validated_length must be a positive integer, "
+            f"not {value!r}"
+        )
+    return value
+
+
+def check_prompt_layout(decision: Mapping[str, Any]) -> None:
+    if "prompt_layout" not in decision:
+        return
+    layout = decision["prompt_layout"]
+    if layout not in PROMPT_LAYOUTS:
+        raise ValueError(
+            f"decision_config.json prompt_layout {layout!r} is not supported: "
+            f"vllm-d3 renders only {list(PROMPT_LAYOUTS)}, and serving another "
+            "layout with the d3 prompt would give wrong answers"
+        )
+
+
+@dataclass(frozen=True)
+class TemperatureSchedule:
+    """``temperature_by_questions``: a request of n questions uses
+    ``temperatures[i]`` for the first i with ``n <= max_questions[i]``, and the
+    last temperature beyond the last threshold."""
+
+    max_questions: tuple[int, ...]
+    temperatures: tuple[float, ...]
+
+    def temperature_for(self, num_questions: int) -> float:
+        for limit, temperature in zip(self.max_questions, self.temperatures):
+            if num_questions <= limit:
+                return temperature
+        return self.temperatures[-1]
+
+
+def temperature_schedule_of(decision: Mapping[str, Any]) -> TemperatureSchedule | None:
+    if "temperature_by_questions" not in decision:
+        return None
+    value = decision["temperature_by_questions"]
+
+    def malformed(why: str) -> ValueError:
+        return ValueError(
+            f"decision_config.json temperature_by_questions {value!r} is malformed: "
+            + why
+        )
+
+    if not isinstance(value, Mapping) or set(value) != {"max_questions", "temperature"}:
+        raise malformed("it must be an object with exactly max_questions, temperature")
+    limits, temperatures = value["max_questions"], value["temperature"]
+    if not isinstance(limits, list) or not limits:
+        raise malformed("max_questions must be a non-empty list")
+    if not all(_is_int(n) and n > 0 for n in limits):
+        raise malformed("max_questions must hold positive integers")
+    if any(a >= b for a, b in zip(limits, limits[1:])):
+        raise malformed("max_questions must be strictly increasing")
+    if not isinstance(temperatures, list) or len(temperatures) != len(limits) + 1:
+        raise malformed("temperature must hold one more value than max_questions")
+    if not all(
+        isinstance(t, (int, float))
+        and not isinstance(t, bool)
+        and math.isfinite(t)
+        and t > 0
+        for t in temperatures
+    ):
+        raise malformed("temperatures must be finite positive numbers")
+    return TemperatureSchedule(tuple(limits), tuple(float(t) for t in temperatures))
+
+
+def check_decision_fields(decision: Mapping[str, Any]) -> None:
+    """Start-up check of every field that 0.33.0's D3 contract does not read."""
+    mode = attention_mode_of(decision)
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"unsupported decision_config.json attention_mode {mode!r}")
+    validated_length_of(decision)
+    check_prompt_layout(decision)
+    temperature_schedule_of(decision)
+
+
+def state_tokens_of(extra_kwargs: Mapping[str, Any] | None, prompt_len: int) -> int:
+    """The state block size of one prefix_bidir request, with ``1 <= s <= n``."""
+    if not extra_kwargs or STATE_TOKENS_KEY not in extra_kwargs:
+        raise ValueError(
+            f"this prefix_bidir D3 model needs the state block size: pass "
+            f'PoolingParams(extra_kwargs={{"{STATE_TOKENS_KEY}": s}}) or the '
+            f'request field "{STATE_TOKENS_KEY}" (an int, 1 <= s <= prompt length)'
+        )
+    value = extra_kwargs[STATE_TOKENS_KEY]
+    if not _is_int(value):
+        raise ValueError(
+            f"{STATE_TOKENS_KEY} must be an int, not {type(value).__name__} {value!r}"
+        )
+    if not 1 <= value <= prompt_len:
+        raise ValueError(
+            f"{STATE_TOKENS_KEY}={value} is outside 1..{prompt_len} (the prompt length)"
+        )
+    return value

@@ -1,0 +1,112 @@
+"""The only two monkeypatches of vllm-d3. Both are no-ops unless the served model is
+a D3 ``prefix_bidir`` checkpoint, and ``apply`` is idempotent.
+
+1. ``PoolingIOProcessor.create_pooling_params``
+   (vLLM 0.33.0 ``entrypoints/pooling/base/io_processor.py:77-78``): the online
+   pooling endpoints (``/classify``, ``/pooling``) build ``PoolingParams`` from a
+   request's typed fields only. The wrapper carries the request field
+   ``d3_state_tokens`` (an int, or a list with one int per input) into
+   ``PoolingParams.extra_kwargs``. Upstream this is one field on the request
+   protocols; no hook reaches it.
+2. ``InputProcessor.process_inputs``
+   (vLLM 0.33.0 ``v1/engine/input_processor.py:373``, where ``_validate_params``
+   at ``:224-246`` never reads ``extra_kwargs``): every request of every entry point
+   (``LLM.classify``, ``/classify``, ``/pooling``, ``/v1/systemone``) passes here
+   with its final prompt. The wrapper refuses a prefix_bidir request whose
+   ``d3_state_tokens`` is missing or invalid with a ``VLLMValidationError`` (a 400
+   online) naming the field, so no request ever runs with a silent single block
+   and a bad request never reaches the engine core.
+"""
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.engine.input_processor import InputProcessor
+
+from .model_executor.models.d3_contract import (
+    STATE_TOKENS_KEY,
+    is_prefix_bidir,
+    state_tokens_of,
+)
+
+_MARK = "__vllm_d3_patch__"
+
+
+def _serves_prefix_bidir(model_config: Any) -> bool:
+    return is_prefix_bidir(
+        getattr(model_config.hf_config, "decision_config", None)
+    )
+
+
+def _with_state_tokens(params: Any, value: Any) -> Any:
+    params = params.clone()
+    params.extra_kwargs = {**(params.extra_kwargs or {}), STATE_TOKENS_KEY: value}
+    return params
+
+
+def _wrap_create_pooling_params(original: Callable) -> Callable:
+    @wraps(original)
+    def create_pooling_params(self: PoolingIOProcessor, request: Any) -> Any:
+        params = original(self, request)
+        extra = getattr(request, "model_extra", None) or {}
+        if STATE_TOKENS_KEY not in extra or not _serves_prefix_bidir(
+            self.model_config
+        ):
+            return params
+        value = extra[STATE_TOKENS_KEY]
+        if isinstance(value, list):
+            return [_with_state_tokens(params, v) for v in value]
+        return _with_state_tokens(params, value)
+
+    return create_pooling_params
+
+
+def _wrap_process_inputs(original: Callable) -> Callable:
+    @wraps(original)
+    def process_inputs(self: InputProcessor, *args: Any, **kwargs: Any) -> Any:
+        request = original(self, *args, **kwargs)
+        params = request.pooling_params
+        if params is None or not _serves_prefix_bidir(self.model_config):
+            return request
+        if request.prompt_token_ids is not None:
+            prompt_len = len(request.prompt_token_ids)
+        else:
+            prompt_len = int(request.prompt_embeds.shape[0])
+        try:
+            state_tokens_of(params.extra_kwargs, prompt_len)
+        except ValueError as e:
+            raise VLLMValidationError(
+                str(e),
+                parameter=STATE_TOKENS_KEY,
+                value=(params.extra_kwargs or {}).get(STATE_TOKENS_KEY),
+            ) from e
+        return request
+
+    return process_inputs
+
+
+#: (owner, attribute, wrapper factory) of each patch.
+PATCHES: tuple[tuple[type, str, Callable[[Callable], Callable]], ...] = (
+    (PoolingIOProcessor, "create_pooling_params", _wrap_create_pooling_params),
+    (InputProcessor, "process_inputs", _wrap_process_inputs),
+)
+
+
+def is_applied(owner: type, name: str) -> bool:
+    return getattr(getattr(owner, name), _MARK, False)
+
+
+def apply() -> list[str]:
+    """Install every patch not yet installed; return the qualified names."""
+    installed = []
+    for owner, name, wrap in PATCHES:
+        if is_applied(owner, name):
+            continue
+        patched = wrap(getattr(owner, name))
+        setattr(patched, _MARK, True)
+        setattr(owner, name, patched)
+        installed.append(f"{owner.__module__}.{owner.__qualname__}.{name}")
+    return installed
