@@ -16,10 +16,16 @@ and logs once per process, at INFO, what it installed.
 
 from vllm.logger import init_logger
 
-logger = init_logger(__name__)
+# Under the "vllm" logger, so that it shares vLLM's handlers and level.
+logger = init_logger(f"vllm.{__name__}")
 
 ARCHITECTURE = "D3ForSequenceClassification"
 _installed: list[str] = []
+
+
+def installed_hooks() -> list[str]:
+    """What ``register`` installed in this process (empty before it ran)."""
+    return list(_installed)
 
 
 def register() -> None:

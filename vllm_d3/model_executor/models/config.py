@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 from vllm.model_executor.models import config as upstream
 
+from vllm_d3 import installed_hooks
+
 from .d3_contract import (
     PREFIX_BIDIR,
     attention_mode_of,
@@ -30,7 +32,8 @@ from .d3_contract import (
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
 
-logger = init_logger(__name__)
+# Under the "vllm" logger, so that it shares vLLM's handlers and level.
+logger = init_logger(f"vllm.{__name__}")
 
 
 def _decision_of(model_config: "ModelConfig") -> dict | None:
@@ -96,6 +99,12 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
         if decision is None:
             return
         check_decision_fields(decision)
+        # The plugin's own line may precede the process's logging set-up.
+        logger.info(
+            "D3 %s checkpoint; vllm-d3 hooks: %s",
+            attention_mode_of(decision),
+            ", ".join(installed_hooks()),
+        )
         validated_length = validated_length_of(decision)
         if validated_length is not None:
             _apply_validated_length(model_config, validated_length)

@@ -1,0 +1,133 @@
+"""The plugin entry point and the two patches, on vLLM's real front-end classes."""
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
+from vllm.entrypoints.pooling.classify.io_processor import ClassifyIOProcessor
+from vllm.entrypoints.pooling.classify.protocol import ClassificationCompletionRequest
+from vllm.entrypoints.pooling.pooling.protocol import PoolingCompletionRequest
+from vllm.exceptions import VLLMClientError
+from vllm.inputs import tokens_input
+from vllm.pooling_params import PoolingParams
+from vllm.renderers.chat_utils import ChatTemplateConfig
+from vllm.v1.engine.input_processor import InputProcessor
+
+import vllm_d3
+from vllm_d3 import patches
+
+
+
+def test_entry_point_is_declared():
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "d3"]
+    assert plugin.value == "vllm_d3:register"
+    assert plugin.load() is vllm_d3.register
+
+
+def test_vllm_loads_the_plugin_once_per_process():
+    script = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "import vllm.plugins as p\n"
+        "p.load_general_plugins(); p.load_general_plugins()\n"
+        "import vllm_d3; vllm_d3.register()\n"
+        "from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES\n"
+        "from vllm.model_executor.models.config import MODELS_CONFIG_MAP\n"
+        "from vllm import ModelRegistry\n"
+        "arch = 'D3ForSequenceClassification'\n"
+        "print('strategy', READ_STRATEGIES[arch].__module__)\n"
+        "print('config', MODELS_CONFIG_MAP[arch].__module__)\n"
+        "print('model', ModelRegistry.models[arch].module_name)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    logs = done.stdout + done.stderr
+    assert logs.count("vllm-d3 installed its D3 hooks") == 1
+    assert "patch vllm.v1.engine.input_processor.InputProcessor.process_inputs" in logs
+    assert "strategy vllm_d3.entrypoints.openai.decisions.strategies" in logs
+    assert "config vllm_d3.model_executor.models.config" in logs
+    assert "model vllm_d3.model_executor.models.d3" in logs
+
+
+def test_patches_are_applied_once():
+    vllm_d3.register()
+    wrapped = [getattr(owner, name) for owner, name, _ in patches.PATCHES]
+    assert all(patches.is_applied(owner, name) for owner, name, _ in patches.PATCHES)
+    assert patches.apply() == []
+    assert [getattr(owner, name) for owner, name, _ in patches.PATCHES] == wrapped
+
+
+@pytest.fixture(scope="module")
+def prefix_bidir_front_end(make_checkpoint):
+    config = EngineArgs(
+        model=make_checkpoint(weights=False), max_model_len=4096
+    ).create_engine_config()
+    processor = InputProcessor(config)
+    io = ClassifyIOProcessor(config, processor.renderer, ChatTemplateConfig())
+    return processor, io
+
+
+def classify(processor: InputProcessor, prompt_len: int, extra):
+    return processor.process_inputs(
+        "req",
+        tokens_input(list(range(prompt_len))),
+        PoolingParams(task="classify", extra_kwargs=extra),
+        supported_tasks=("classify",),
+    )
+
+
+def test_valid_state_tokens_pass(prefix_bidir_front_end):
+    processor, _ = prefix_bidir_front_end
+    request = classify(processor, 12, {"d3_state_tokens": 5})
+    assert request.pooling_params.extra_kwargs == {"d3_state_tokens": 5}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (None, "needs the state block size"),
+        ({"d3_state_tokens": True}, "must be an int, not bool"),
+        ({"d3_state_tokens": 4.0}, "must be an int, not float"),
+        ({"d3_state_tokens": -1}, "outside 1..12"),
+        ({"d3_state_tokens": 13}, "outside 1..12"),
+    ],
+)
+def test_bad_state_tokens_are_client_errors(prefix_bidir_front_end, extra, message):
+    processor, _ = prefix_bidir_front_end
+    with pytest.raises(VLLMClientError, match=message) as excinfo:
+        classify(processor, 12, extra)
+    assert "d3_state_tokens" in str(excinfo.value)
+
+
+def test_other_modes_need_no_state_tokens(make_checkpoint):
+    config = EngineArgs(
+        model=make_checkpoint(attention_mode="causal", weights=False),
+        max_model_len=4096,
+    ).create_engine_config()
+    request = classify(InputProcessor(config), 12, None)
+    assert request.pooling_params.extra_kwargs is None
+
+
+def test_classify_request_carries_state_tokens(prefix_bidir_front_end):
+    _, io = prefix_bidir_front_end
+    assert type(io).create_pooling_params is PoolingIOProcessor.create_pooling_params
+    one = ClassificationCompletionRequest.model_validate(
+        {"input": "State: x", "d3_state_tokens": 3}
+    )
+    assert io.create_pooling_params(one).extra_kwargs == {"d3_state_tokens": 3}
+    several = PoolingCompletionRequest.model_validate(
+        {"input": ["a", "b"], "task": "classify", "d3_state_tokens": [2, 4]}
+    )
+    params = io.create_pooling_params(several)
+    assert [p.extra_kwargs for p in params] == [
+        {"d3_state_tokens": 2},
+        {"d3_state_tokens": 4},
+    ]
+    assert params[0].task == "classify"
+    # Without the field nothing is invented: the input processor refuses it.
+    bare = ClassificationCompletionRequest.model_validate({"input": "State: x"})
+    assert io.create_pooling_params(bare).extra_kwargs is None

@@ -1,0 +1,225 @@
+"""The prefix_bidir model and its Model Runner V2 state, on vLLM's real classes.
+
+The model is built on the CPU from a tiny checkpoint; the state's ``prepare_attn``
+runs vLLM's own hybrid ``prepare_attn`` and ``build_attn_metadata`` into the real
+Triton attention metadata builder, whose range tensor is what the kernel reads.
+"""
+
+import socket
+
+import pytest
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config.compilation import CUDAGraphMode
+from vllm.distributed import (
+    cleanup_dist_env_and_memory,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.models import d3 as upstream_d3
+from vllm.model_executor.models.registry import ModelRegistry
+from vllm.pooling_params import PoolingParams
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+from vllm.v1.core.sched.output import NewRequestData
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+from vllm.v1.worker.gpu.model_states import default as default_model_state
+from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
+from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+from vllm.v1.worker.utils import AttentionGroup
+
+from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import D3PrefixBidirModelState
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=0,
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+    yield
+    cleanup_dist_env_and_memory()
+
+
+
+def vllm_config_for(path: str):
+    return EngineArgs(model=path, max_model_len=4096).create_engine_config()
+
+
+def build_model(model_cls, config):
+    with set_current_vllm_config(config):
+        return model_cls(vllm_config=config)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("prefix_bidir", D3PrefixBidirModelState),
+        ("causal", MambaHybridModelState),
+        ("noncausal_full_attention", None),
+    ],
+)
+def test_model_state_resolution(make_checkpoint, mode, expected):
+    path = make_checkpoint(attention_mode=mode, weights=False)
+    config = vllm_config_for(path)
+    arch = config.model_config.architectures
+    model_cls, _ = ModelRegistry.resolve_model_cls(arch, config.model_config)
+    assert model_cls.__module__ == "vllm_d3.model_executor.models.d3"
+    model = build_model(model_cls, config)
+    resolved = resolve_model_state_cls(config, model)
+    if mode == "prefix_bidir":
+        assert resolved is expected
+        assert issubclass(resolved, MambaHybridModelState)
+        return
+    # causal and noncausal resolve exactly as 0.33.0's own class does.
+    # (Each model registers its layers in its own config.)
+    reference_config = vllm_config_for(path)
+    reference = build_model(upstream_d3.D3ForSequenceClassification, reference_config)
+    assert not hasattr(model, "get_model_state_cls")
+    assert resolved is resolve_model_state_cls(reference_config, reference)
+    if expected is not None:
+        assert resolved is expected
+
+
+def new_request(req_id: str, prompt_len: int, extra) -> NewRequestData:
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=list(range(prompt_len)),
+        mm_features=[],
+        sampling_params=None,
+        pooling_params=PoolingParams(task="classify", extra_kwargs=extra),
+        block_ids=([0],),
+        num_computed_tokens=0,
+        lora_request=None,
+    )
+
+
+@pytest.fixture
+def state(make_checkpoint, monkeypatch):
+    # The M-RoPE position buffers need pinned host memory, i.e. a GPU driver;
+    # positions play no part in the ranges, so this CPU state goes without them.
+    monkeypatch.setattr(default_model_state, "get_rope_state", lambda *a, **k: None)
+    config = vllm_config_for(make_checkpoint(weights=False))
+    model_cls, _ = ModelRegistry.resolve_model_cls(
+        config.model_config.architectures, config.model_config
+    )
+    model = build_model(model_cls, config)
+    with set_current_vllm_config(config):
+        yield D3PrefixBidirModelState(config, model, None, CPU), config
+
+
+def triton_metadata(state_and_config, req_ids, prompt_lens):
+    """Run the state's prepare_attn over one prefill batch of whole prompts."""
+    model_state, config = state_and_config
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=256, dtype=torch.bfloat16
+    )
+    group = AttentionGroup(
+        backend=TritonAttentionBackend,
+        layer_names=["full"],
+        kv_cache_spec=spec,
+        kv_cache_group_id=0,
+    )
+    group.create_metadata_builders(config, CPU)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["full"], spec)],
+    )
+    num_tokens = sum(prompt_lens)
+    batch = InputBatch.make_dummy(len(req_ids), num_tokens, InputBuffers(8, 256, CPU))
+    batch.req_ids[:] = req_ids
+    with set_current_vllm_config(config):
+        metadata = model_state.prepare_attn(
+            batch,
+            CUDAGraphMode.NONE,
+            (torch.zeros(len(req_ids), 16, dtype=torch.int32),),
+            torch.zeros(1, num_tokens, dtype=torch.int64),
+            [[group]],
+            kv_cache_config,
+        )
+    return metadata["full"]
+
+
+def dense_mask(ranges: list[tuple[int, int]], n: int) -> torch.Tensor:
+    """vLLM's range semantics: causal OR (q and k inside one inclusive range)."""
+    q = torch.arange(n)[:, None]
+    k = torch.arange(n)[None, :]
+    mask = k <= q
+    for start, end in ranges:
+        if start < end:
+            mask |= (start <= q) & (q <= end) & (start <= k) & (k <= end)
+    return mask
+
+
+def prefix_bidir_mask(s: int, n: int) -> torch.Tensor:
+    """The spec, written independently: state both ways, question sees the state
+    and itself both ways, the state never sees the question."""
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[:s, :s] = True
+    mask[s:, :] = True
+    return mask
+
+
+def test_ranges_reach_the_triton_builder(state):
+    model_state, _ = state
+    requests = {"a": (10, 4), "b": (7, 7), "c": (5, 1), "d": (9, 8)}
+    for index, (req_id, (n, s)) in enumerate(requests.items()):
+        model_state.add_request(index, new_request(req_id, n, {"d3_state_tokens": s}))
+    # A batch in another order than the requests were added.
+    order = ["c", "a", "d", "b"]
+    metadata = triton_metadata(state, order, [requests[r][0] for r in order])
+    for row, req_id in enumerate(order):
+        n, s = requests[req_id]
+        assert metadata.mm_prefix_range[row] == [(0, s - 1), (s, n - 1)]
+        ranges = [tuple(r) for r in metadata.mm_prefix_range_tensor[row].tolist()]
+        assert torch.equal(dense_mask(ranges, n), prefix_bidir_mask(s, n))
+
+
+def test_removed_requests_are_forgotten(state):
+    model_state, _ = state
+    model_state.add_request(0, new_request("a", 6, {"d3_state_tokens": 2}))
+    model_state.remove_request("a")
+    assert model_state.state_blocks == {}
+    model_state.add_request(0, new_request("a", 6, {"d3_state_tokens": 3}))
+    assert model_state.prefix_ranges(["a"]) == {0: [(0, 2), (3, 5)]}
+
+
+def test_dummy_rows_get_no_ranges(state):
+    metadata = triton_metadata(state, ["dummy_0", "dummy_1"], [5, 6])
+    assert not metadata.mm_prefix_range
+    assert metadata.mm_prefix_range_tensor is None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        None,
+        {},
+        {"d3_state_tokens": True},
+        {"d3_state_tokens": 2.0},
+        {"d3_state_tokens": -1},
+        {"d3_state_tokens": 0},
+        {"d3_state_tokens": 11},
+    ],
+)
+def test_bad_state_tokens_never_run_as_one_block(state, extra):
+    model_state, _ = state
+    with pytest.raises(ValueError, match="d3_state_tokens"):
+        model_state.add_request(0, new_request("bad", 10, extra))
+    assert "bad" not in model_state.state_blocks
