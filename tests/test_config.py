@@ -21,7 +21,6 @@ def engine_config(model: str, **kwargs):
     return EngineArgs(model=model, **kwargs).create_engine_config()
 
 
-
 def test_prefix_bidir_contract(make_checkpoint):
     config = engine_config(make_checkpoint(weights=False))
     model = config.model_config
@@ -99,8 +98,9 @@ def test_d3_ultra_fields_accepted(make_checkpoint):
     model = engine_config(
         make_checkpoint(decision_overrides=ULTRA, weights=False)
     ).model_config
-    assert model.hf_config.decision_config["temperature_by_questions"] == (
-        ULTRA["temperature_by_questions"]
+    assert (
+        model.hf_config.decision_config["temperature_by_questions"]
+        == (ULTRA["temperature_by_questions"])
     )
 
 
@@ -110,7 +110,12 @@ def test_d3_ultra_fields_accepted(make_checkpoint):
         ({"prompt_layout": "header-v1"}, "prompt_layout 'header-v1'"),
         ({"prompt_layout": 2}, "prompt_layout 2"),
         (
-            {"temperature_by_questions": {"max_questions": [4, 1], "temperature": [1, 1, 1]}},
+            {
+                "temperature_by_questions": {
+                    "max_questions": [4, 1],
+                    "temperature": [1, 1, 1],
+                }
+            },
             "strictly increasing",
         ),
         (
@@ -142,7 +147,10 @@ def test_model_runner_v1_is_refused(make_checkpoint, monkeypatch):
 
 @pytest.mark.parametrize(
     ("option", "message"),
-    [("enable_prefix_caching", "prefix caching"), ("enable_chunked_prefill", "chunked prefill")],
+    [
+        ("enable_prefix_caching", "prefix caching"),
+        ("enable_chunked_prefill", "chunked prefill"),
+    ],
 )
 def test_prefix_bidir_refuses_caching_and_chunking(make_checkpoint, option, message):
     with pytest.raises(ValueError, match=message):

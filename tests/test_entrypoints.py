@@ -20,9 +20,10 @@ import vllm_d3
 from vllm_d3 import patches
 
 
-
 def test_entry_point_is_declared():
-    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "d3"]
+    (plugin,) = [
+        e for e in entry_points(group="vllm.general_plugins") if e.name == "d3"
+    ]
     assert plugin.value == "vllm_d3:register"
     assert plugin.load() is vllm_d3.register
 

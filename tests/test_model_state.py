@@ -56,7 +56,6 @@ def single_process_group():
     cleanup_dist_env_and_memory()
 
 
-
 def vllm_config_for(path: str):
     return EngineArgs(model=path, max_model_len=4096).create_engine_config()
 
@@ -198,6 +197,12 @@ def test_removed_requests_are_forgotten(state):
     assert model_state.state_blocks == {}
     model_state.add_request(0, new_request("a", 6, {"d3_state_tokens": 3}))
     assert model_state.prefix_ranges(["a"]) == {0: [(0, 2), (3, 5)]}
+
+
+def test_warmup_requests_are_split_in_two(state):
+    model_state, _ = state
+    model_state.add_request(0, new_request("_warmup_0_", 9, None))
+    assert model_state.prefix_ranges(["_warmup_0_"]) == {0: [(0, 3), (4, 8)]}
 
 
 def test_dummy_rows_get_no_ranges(state):

@@ -4,7 +4,8 @@
 process it starts (API server, engine core, workers, the model-inspection
 subprocess). It is idempotent and installs, through vLLM's registries:
 
-- ``ModelRegistry``: ``D3ForSequenceClassification`` -> ``vllm_d3.model_executor.models.d3``
+- ``ModelRegistry``: ``D3ForSequenceClassification`` ->
+  ``vllm_d3.model_executor.models.d3``
 - ``MODELS_CONFIG_MAP``: the D3 config contract with ``prefix_bidir``
 - ``MODEL_ARCH_CONFIG_CONVERTORS["qwen3_5"]``: checkpoint detection that turns
   ``is_mm_prefix_lm`` on for ``prefix_bidir``
@@ -13,11 +14,6 @@ subprocess). It is idempotent and installs, through vLLM's registries:
 
 and logs once per process, at INFO, what it installed.
 """
-
-from vllm.logger import init_logger
-
-# Under the "vllm" logger, so that it shares vLLM's handlers and level.
-logger = init_logger(f"vllm.{__name__}")
 
 ARCHITECTURE = "D3ForSequenceClassification"
 _installed: list[str] = []
@@ -33,6 +29,7 @@ def register() -> None:
         return
     from vllm import ModelRegistry
     from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES
+    from vllm.logger import init_logger
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.transformers_utils.model_arch_config_convertor import (
         MODEL_ARCH_CONFIG_CONVERTORS,
@@ -60,4 +57,6 @@ def register() -> None:
             *(f"patch {name}" for name in patches.apply()),
         ]
     )
+    # Under the "vllm" logger, so that it shares vLLM's handlers and level.
+    logger = init_logger(f"vllm.{__name__}")
     logger.info("vllm-d3 installed its D3 hooks: %s", ", ".join(_installed))

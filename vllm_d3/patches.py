@@ -36,9 +36,7 @@ _MARK = "__vllm_d3_patch__"
 
 
 def _serves_prefix_bidir(model_config: Any) -> bool:
-    return is_prefix_bidir(
-        getattr(model_config.hf_config, "decision_config", None)
-    )
+    return is_prefix_bidir(getattr(model_config.hf_config, "decision_config", None))
 
 
 def _with_state_tokens(params: Any, value: Any) -> Any:
@@ -52,9 +50,7 @@ def _wrap_create_pooling_params(original: Callable) -> Callable:
     def create_pooling_params(self: PoolingIOProcessor, request: Any) -> Any:
         params = original(self, request)
         extra = getattr(request, "model_extra", None) or {}
-        if STATE_TOKENS_KEY not in extra or not _serves_prefix_bidir(
-            self.model_config
-        ):
+        if STATE_TOKENS_KEY not in extra or not _serves_prefix_bidir(self.model_config):
             return params
         value = extra[STATE_TOKENS_KEY]
         if isinstance(value, list):

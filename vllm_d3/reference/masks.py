@@ -22,7 +22,9 @@ import torch
 ATTENTION_MODES = ("causal", "noncausal_full_attention", "prefix_bidir")
 
 
-def allowed(mode: str, n: int, s: int, device: torch.device | None = None) -> torch.Tensor:
+def allowed(
+    mode: str, n: int, s: int, device: torch.device | None = None
+) -> torch.Tensor:
     if mode not in ATTENTION_MODES:
         raise ValueError(
             f"unknown attention mode {mode!r}; expected one of {list(ATTENTION_MODES)}"

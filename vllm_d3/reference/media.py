@@ -73,7 +73,7 @@ def data_url_bytes(url: Any) -> bytes:
 
 def load_image(url: Any) -> Image.Image:
     try:
-        image = Image.open(BytesIO(data_url_bytes(url)))
+        image: Image.Image = Image.open(BytesIO(data_url_bytes(url)))
         with contextlib.suppress(Exception):
             image = ImageOps.exif_transpose(image)
         image.load()

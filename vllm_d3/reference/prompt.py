@@ -85,9 +85,9 @@ def render_prompt(
 
 def _byte_alphabet() -> dict[str, int]:
     """The byte-level BPE alphabet: each of the 256 byte values is written as
-    one printable character. Bytes that are printable Latin-1 characters other
-    than space and soft hyphen stand for themselves; the other 68 bytes take
-    the characters from U+0100 up, in byte order."""
+    one printable character. The bytes ``!``..``~``, ``¡``..``¬`` and ``®``..``ÿ``
+    stand for themselves; the other 68 take the characters from U+0100 up, in
+    byte order."""
     printable = [
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),

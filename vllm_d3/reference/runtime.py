@@ -25,19 +25,20 @@ Contract:
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file
 from transformers import AutoProcessor, AutoTokenizer, DynamicCache
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
 
 from . import masks
+from .decision import DecisionConfig
 from .media import (
     MediaInputs,
     configure_processor,
@@ -87,24 +88,25 @@ class ReferenceRuntime:
         self.path = Path(checkpoint)
         self.device = torch.device(device)
         self.dtype = dtype
-        decision = json.loads((self.path / "decision_config.json").read_text())
-        self.codes: list[str] = list(decision["codes"])
-        self.attention_mode: str = decision.get("attention_mode", "causal")
-        if self.attention_mode not in masks.ATTENTION_MODES:
-            raise ValueError(f"unknown attention_mode {self.attention_mode!r}")
-        self.temperature = float(decision.get("temperature", 1.0))
-        self.temperature_by_questions: dict[str, list[Any]] | None = decision.get(
-            "temperature_by_questions"
-        )
-        self._check_temperatures()
+        self.decision = DecisionConfig.load(self.path)
+        self.codes = list(self.decision.codes)
+        self.attention_mode = self.decision.attention_mode
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self._prompts = PromptTokenizer(self.tokenizer)
-        model = Qwen3_5Model.from_pretrained(
-            self.path, dtype=dtype, attn_implementation="sdpa"
+        loaded: Any = Qwen3_5Model.from_pretrained(
+            self.path, dtype=dtype, attn_implementation="sdpa", output_loading_info=True
         )
-        self.model = model.to(self.device).eval()
+        model, loading = loaded
+        if loading["missing_keys"]:
+            missing = sorted(loading["missing_keys"])
+            raise ValueError(f"the checkpoint lacks backbone weights: {missing[:5]}")
+        self.model: Qwen3_5Model = model.to(self.device).eval()
         readout = load_file(str(self.path / "readout.safetensors"))["weight"]
-        hidden = self.model.config.text_config.hidden_size
+        text_config = self.model.config.text_config
+        if not isinstance(text_config, Qwen3_5TextConfig):
+            raise ValueError("the checkpoint is not a Qwen3.5 backbone")
+        self.text_config = text_config
+        hidden = text_config.hidden_size
         if tuple(readout.shape) != (len(self.codes), hidden):
             raise ValueError(
                 f"readout weight is {tuple(readout.shape)}, expected "
@@ -112,29 +114,9 @@ class ReferenceRuntime:
             )
         self.readout = readout.float().to(self.device)
 
-    def _check_temperatures(self) -> None:
-        temperatures = [self.temperature]
-        if (buckets := self.temperature_by_questions) is not None:
-            limits = buckets["max_questions"]
-            temperatures = list(buckets["temperature"])
-            if len(temperatures) != len(limits) + 1 or limits != sorted(set(limits)):
-                raise ValueError(
-                    "temperature_by_questions needs ascending max_questions and "
-                    "one more temperature than thresholds"
-                )
-        if not all(t > 0 for t in temperatures):
-            raise ValueError("temperatures must be positive")
-
     def temperature_for(self, num_questions: int) -> float:
         """The temperature of a request with ``num_questions`` questions."""
-        if (buckets := self.temperature_by_questions) is None:
-            return self.temperature
-        for limit, temperature in zip(
-            buckets["max_questions"], buckets["temperature"], strict=False
-        ):
-            if num_questions <= limit:
-                return float(temperature)
-        return float(buckets["temperature"][-1])
+        return self.decision.temperature_for(num_questions)
 
     @cached_property
     def processor(self) -> Any:
@@ -144,7 +126,9 @@ class ReferenceRuntime:
 
     def render(self, request: dict[str, Any]) -> list[RenderedQuestion]:
         if request.get("instructions"):
-            raise ValueError("this model reads a fixed prompt, so it takes no instructions")
+            raise ValueError(
+                "this model reads a fixed prompt, so it takes no instructions"
+            )
         if request.get("audio"):
             raise ValueError("this model does not take audio inputs")
         questions = parse_questions(request.get("questions"), len(self.codes))
@@ -162,14 +146,16 @@ class ReferenceRuntime:
             first_text = prompts[0][0]
             prefix = first_text[: first_text.rindex(VISION_END) + len(VISION_END)]
             prefix_ids = self.tokenizer.encode(prefix, add_special_tokens=False)
-            expanded_prefix, media = process_media(self.processor, prefix, images, videos)
+            expanded_prefix, media = process_media(
+                self.processor, prefix, images, videos
+            )
         rendered = []
         for question, (text, state_end) in zip(questions, prompts, strict=True):
             encoded = self._prompts.encode(text, state_end)
             ids = encoded.token_ids
-            if ids[: len(prefix_ids)] != prefix_ids or encoded.state_tokens < len(
-                prefix_ids
-            ):
+            # The media sit in the state block, ahead of everything a
+            # question changes, so the expanded prefix replaces the plain one.
+            if ids[: len(prefix_ids)] != prefix_ids:
                 raise ValueError("the media prefix does not start the prompt's tokens")
             growth = len(expanded_prefix) - len(prefix_ids)
             rendered.append(
@@ -227,23 +213,27 @@ class ReferenceRuntime:
     def _mode(self, attention: str | None) -> str:
         mode = self.attention_mode if attention is None else attention
         if mode not in masks.ATTENTION_MODES:
-            raise ValueError(
-                f"unknown attention {mode!r}; expected one of {list(masks.ATTENTION_MODES)}"
-            )
+            expected = list(masks.ATTENTION_MODES)
+            raise ValueError(f"unknown attention {mode!r}; expected one of {expected}")
         return mode
 
     def _media_features(self, media: MediaInputs) -> dict[str, torch.Tensor]:
         """Vision encoder outputs, one row per placeholder token."""
         features = {}
-        for key, pixels, grid in (
-            ("image", media.pixel_values, media.image_grid_thw),
-            ("video", media.pixel_values_videos, media.video_grid_thw),
-        ):
-            if pixels is not None and grid is not None:
-                out = self.model.get_image_features(
-                    pixels.to(self.device), grid.to(self.device), return_dict=True
-                )
-                features[key] = torch.cat(out.pooler_output).to(self.dtype)
+        if media.pixel_values is not None and media.image_grid_thw is not None:
+            images = self.model.get_image_features(
+                media.pixel_values.to(self.device),
+                _on(media.image_grid_thw, self.device),
+                return_dict=True,
+            )
+            features["image"] = torch.cat(images.pooler_output).to(self.dtype)
+        if media.pixel_values_videos is not None and media.video_grid_thw is not None:
+            videos = self.model.get_video_features(
+                media.pixel_values_videos.to(self.device),
+                _on(media.video_grid_thw, self.device),
+                return_dict=True,
+            )
+            features["video"] = torch.cat(videos.pooler_output).to(self.dtype)
         return features
 
     def _inputs(
@@ -266,8 +256,8 @@ class ReferenceRuntime:
                 embeds[0, slots] = features[key]
         media = rendered.media
         positions, _ = self.model.get_rope_index(
-            ids,
-            kinds,
+            cast(torch.LongTensor, ids),
+            cast(torch.IntTensor, kinds),
             image_grid_thw=_on(media.image_grid_thw, self.device),
             video_grid_thw=_on(media.video_grid_thw, self.device),
         )
@@ -312,7 +302,7 @@ class ReferenceRuntime:
             raise ValueError("the questions' prompts do not share one state block")
         embeds, positions = self._inputs(rendered[0], features)
         state_mask = masks.allowed("prefix_bidir", s, s, self.device)
-        cache = DynamicCache(config=self.model.config.text_config)
+        cache = DynamicCache(config=self.text_config)
         self._run(
             embeds[:, :s],
             positions[..., :s],
@@ -334,5 +324,5 @@ class ReferenceRuntime:
         return last
 
 
-def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device)
+def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.LongTensor | None:
+    return None if tensor is None else cast(torch.LongTensor, tensor.to(device))

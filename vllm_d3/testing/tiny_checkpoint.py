@@ -8,7 +8,7 @@ missing or empty) and writes a D3 package that
 * vLLM 0.33.0 resolves to ``D3ForSequenceClassification`` (``config.json`` names
   the bare ``Qwen3_5Model`` and ``decision_config.json`` is present), and
 * transformers loads offline: ``Qwen3_5Model.from_pretrained``, ``AutoTokenizer``
-  (``Qwen2Tokenizer``) and ``AutoProcessor`` (``Qwen3VLProcessor``).
+  and ``AutoProcessor`` (``Qwen3VLProcessor``).
 
 Files: ``config.json``, ``decision_config.json``, ``readout.safetensors`` (one
 float32 tensor ``weight`` of shape [255, hidden]), ``tokenizer.json``,
@@ -31,19 +31,30 @@ reads changes.
 
 Tokenizer: a byte-level BPE trained here, deterministically, on an embedded
 corpus, with Qwen2's pre-tokenizer regex, so merges span runs of spaces and
-newlines. Two-letter codes ending in Q or X are deliberately left unmerged, so
-the answer codes are A..Z, then AA, AB, ... skipping those: the selection rule
-(one token, alone and right after the assistant prefix, no duplicate id, first
-255 kept) has something to skip. The chat template renders the D3 prompt shape:
-media placeholders before the text, and ``<think>\\n\\n</think>\\n\\n`` after the
-assistant header when ``enable_thinking=False``.
+newlines. ``tokenizer_config.json`` names ``Qwen2Tokenizer`` as D3 packages do,
+but transformers 5.20 ignores that for ``model_type`` qwen3_5 and builds
+``Qwen3_5Tokenizer``, whose regex also groups combining marks (``\\p{M}``) with
+letters: the two agree except on marks NFC leaves uncomposed (such as the emoji
+variation selector U+FE0F). Two-letter codes ending in Q or X are deliberately
+left unmerged, so the answer codes are A..Z, then AA, AB, ... skipping those:
+the selection rule (one token, alone and right after the assistant prefix, no
+duplicate id, first 255 kept) has something to skip. The chat template renders
+the D3 prompt shape: each message as ``<|im_start|>role\\n...<|im_end|>\\n``,
+image and video placeholders in list order before the text, and after the
+assistant header ``<think>\\n\\n</think>\\n\\n`` when ``enable_thinking=False``
+(``<think>\\n`` otherwise).
 
 Weights are drawn from ``torch.Generator`` seeded with ``seed``, tensor by tensor
-in state-dict order, scaled so the readout logits are far from uniform and depend
-on the context: unit-variance embeddings, fan-in scaled projections, norm scales
-near 1, Gated DeltaNet ``A_log = log(U(1, 16))`` and ``dt_bias`` near 1, readout
-rows ~ N(0, (READOUT_LOGIT_STD / sqrt(hidden))^2). The same arguments give
-byte-identical files.
+in state-dict order: unit-variance embeddings, fan-in scaled projections, norm
+scales near 1, Gated DeltaNet ``A_log = log(U(1, 16))`` and ``dt_bias`` near 1,
+and, so that the readout depends on the context and on the attention mask,
+sharper full attention (query/key norm scale ``ATTENTION_QK_NORM_SCALE``) with a
+stronger output (``ATTENTION_OUTPUT_GAIN``). The readout rows are N(0, 1) from
+a second stream, scaled so one logit's std is about ``READOUT_LOGIT_STD``; for
+``"tiny"`` they are also made orthogonal to the last hidden state that every D3
+prompt shares (measured on a few reference prompts with the backbone in float32
+on one thread, then rounded), because all prompts end with the same tokens. The
+same arguments give byte-identical files.
 
 CLI: ``python -m vllm_d3.testing.tiny_checkpoint OUT [--attention-mode MODE]
 [--vision] [--shape tiny|d3-turbo] [--validated-length N] [--seed S]
@@ -60,7 +71,7 @@ import os
 import pathlib
 import string
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -102,7 +113,13 @@ THINK_TOKENS = ("<think>", "</think>")
 #: Second letters of two-letter codes the tokenizer never merges.
 UNMERGED_SECOND_LETTERS = "QX"
 #: Typical standard deviation of one readout logit.
-READOUT_LOGIT_STD = 2.0
+READOUT_LOGIT_STD = 1.0
+#: Scale of the query/key norms of full attention (random ones are too flat to
+#: single out tokens), and the gain of its output projection (so what the last
+#: token attends to outweighs the prompt's common suffix). Both make the
+#: readout depend on the context and on the attention mask.
+ATTENTION_QK_NORM_SCALE = 2.0
+ATTENTION_OUTPUT_GAIN = 4.0
 #: Backbone tensors are split into shards of at most this many bytes.
 MAX_SHARD_BYTES = 4 * 1024**3
 SYSTEM_PROMPT = (
@@ -197,9 +214,9 @@ def route(ticket):
 | A      | billing   |
 | B      | shipping  |
 
-queue: support 
-  retries: 3 
-  timeout: 30s 
+queue: support \n\
+  retries: 3 \n\
+  timeout: 30s \n\
 """
 
 _CJK_AND_EMOJI = """\
@@ -240,30 +257,42 @@ def code_candidates() -> Iterator[str]:
             yield first + second
 
 
+def _d3_user_turn(n: int) -> str:
+    """The ``n``-th example D3 user turn: a state, a question, four options."""
+    options = [
+        f"{code}: {_OPTION_TEXTS[(n + i) % len(_OPTION_TEXTS)]}"
+        for i, code in enumerate("ABCD")
+    ]
+    lines = [
+        "State:",
+        _STATES[n % len(_STATES)],
+        "",
+        "Question:",
+        _QUESTIONS[n % len(_QUESTIONS)],
+        "",
+        "Options:",
+        *options,
+        "",
+        "Reply with only the code of the best option.",
+    ]
+    return "\n".join(lines)
+
+
+def _reference_prompts() -> list[str]:
+    """Whole D3 prompts, as the chat template renders them."""
+    return [
+        f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+        f"<|im_start|>user\n{_d3_user_turn(n)}<|im_end|>\n{ASSISTANT_PREFIX}"
+        for n in range(len(_STATES))
+    ]
+
+
 def _training_documents() -> list[str]:
     """The corpus the tokenizer is trained on, in a fixed order."""
-    prompts = []
-    for i, state in enumerate(_STATES):
-        question = _QUESTIONS[i % len(_QUESTIONS)]
-        options = [
-            f"{code}: {_OPTION_TEXTS[(i + n) % len(_OPTION_TEXTS)]}"
-            for n, code in enumerate("ABCD")
-        ]
-        user = "\n".join(
-            [
-                "State:",
-                state,
-                "",
-                "Question:",
-                question,
-                "",
-                "Options:",
-                *options,
-                "",
-                "Reply with only the code of the best option.",
-            ]
-        )
-        prompts.append(f"system\n{SYSTEM_PROMPT}\nuser\n{user}\nassistant\n\n\n\n")
+    prompts = [
+        f"system\n{SYSTEM_PROMPT}\nuser\n{_d3_user_turn(n)}\nassistant\n\n\n\n"
+        for n in range(len(_STATES))
+    ]
     trained_codes = [
         code
         for code in code_candidates()
@@ -397,7 +426,12 @@ def _text_config(shape: str, vocab_size: int, eos_token_id: int) -> dict[str, An
 
 def _vision_config(shape: str, out_hidden_size: int) -> dict[str, Any]:
     if shape == "tiny":
-        dims = {"depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2}
+        dims = {
+            "depth": 2,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_heads": 2,
+        }
     else:
         dims = {
             "depth": 27,
@@ -427,7 +461,9 @@ def _model_config(shape: str, tokenizer: Tokenizer) -> dict[str, Any]:
         return found
 
     text = _text_config(
-        shape, tokenizer.get_vocab_size(with_added_tokens=True), token_id("<|endoftext|>")
+        shape,
+        tokenizer.get_vocab_size(with_added_tokens=True),
+        token_id("<|endoftext|>"),
     )
     return {
         "architectures": ["Qwen3_5Model"],
@@ -553,6 +589,7 @@ def _draw(
 ) -> torch.Tensor:
     """One backbone tensor, scaled by the role of the module that owns it."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5Attention,
         Qwen3_5GatedDeltaNet,
         Qwen3_5RMSNorm,
         Qwen3_5RMSNormGated,
@@ -560,6 +597,7 @@ def _draw(
 
     module_name, _, param = name.rpartition(".")
     module = model.get_submodule(module_name)
+    owner = model.get_submodule(module_name.rpartition(".")[0])
 
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=generator) * std + mean
@@ -569,6 +607,8 @@ def _draw(
     if isinstance(module, Qwen3_5GatedDeltaNet) and param == "dt_bias":
         return normal(0.1, mean=1.0)
     if isinstance(module, Qwen3_5RMSNorm):  # scales by (1 + weight)
+        if isinstance(owner, Qwen3_5Attention):
+            return normal(0.05, mean=ATTENTION_QK_NORM_SCALE - 1)
         return normal(0.05)
     if isinstance(module, (Qwen3_5RMSNormGated, torch.nn.LayerNorm)):
         return normal(0.05, mean=1.0) if param == "weight" else normal(0.02)
@@ -576,7 +616,8 @@ def _draw(
         return normal(1.0)
     if param == "bias":
         return normal(0.02)
-    return normal(1 / math.sqrt(math.prod(shape[1:])))
+    gain = ATTENTION_OUTPUT_GAIN if module is getattr(owner, "o_proj", None) else 1.0
+    return normal(gain / math.sqrt(math.prod(shape[1:])))
 
 
 class _ShardWriter:
@@ -629,13 +670,86 @@ class _ShardWriter:
         self.pending_bytes = 0
 
 
-def _write_backbone(out: pathlib.Path, model: torch.nn.Module, seed: int) -> None:
-    """Draw every backbone tensor in state-dict order and write them as bf16."""
+def _backbone_tensors(
+    model: torch.nn.Module, seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every backbone tensor, drawn in state-dict order, as bf16."""
     generator = _generator(seed, 0)
-    writer = _ShardWriter(out)
     for name, meta in model.state_dict().items():
-        writer.add(name, _draw(model, name, meta.shape, generator).to(torch.bfloat16))
+        yield name, _draw(model, name, meta.shape, generator).to(torch.bfloat16)
+
+
+def _write_backbone(
+    out: pathlib.Path, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    writer = _ShardWriter(out)
+    for name, tensor in tensors:
+        writer.add(name, tensor)
     writer.close()
+
+
+def _last_hidden_states(
+    config: dict[str, Any], backbone: dict[str, torch.Tensor], tokenizer: Tokenizer
+) -> torch.Tensor:
+    """The final hidden state at the last token of each reference prompt, in
+    float32 on one thread so that it does not depend on the machine's cores.
+
+    On a machine with CUDA it runs there: transformers then binds GPU-only
+    linear-attention kernels (flash-linear-attention) that refuse CPU tensors.
+    The caller rounds what it derives from these states, so both give the same
+    checkpoint up to that rounding."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG alone
+        model = Qwen3_5Model(Qwen3_5Config(**config))
+    model.load_state_dict(backbone)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.float().eval().to(device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            return torch.stack(
+                [
+                    model(input_ids=torch.tensor([ids], device=device))
+                    .last_hidden_state[0, -1]
+                    .cpu()
+                    for ids in (
+                        tokenizer.encode(prompt, add_special_tokens=False).ids
+                        for prompt in _reference_prompts()
+                    )
+                ]
+            )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _readout(
+    seed: int,
+    config: dict[str, Any],
+    tokenizer: Tokenizer,
+    backbone: dict[str, torch.Tensor] | None,
+) -> torch.Tensor:
+    """Readout rows ~ N(0, 1), scaled so a logit's std is about
+    ``READOUT_LOGIT_STD``.
+
+    Given the backbone, the rows are also made orthogonal to the direction every
+    prompt's last hidden state shares (all D3 prompts end with the same tokens),
+    so the logits follow what differs between prompts, and are scaled by that
+    difference; the direction and scale are rounded, to stay byte-stable across
+    machines. Without it (``d3-turbo``) the scale is ``1 / sqrt(hidden)``.
+    """
+    hidden = config["text_config"]["hidden_size"]
+    rows = torch.randn((NUM_CODES, hidden), generator=_generator(seed, 1))
+    if backbone is None:
+        return rows * (READOUT_LOGIT_STD / math.sqrt(hidden))
+    states = _last_hidden_states(config, backbone, tokenizer)
+    mean = states.mean(dim=0)
+    shared = torch.round(mean / mean.norm() * 1024) / 1024
+    rows -= torch.outer(rows @ shared, shared) / shared.dot(shared)
+    spread = float(f"{(states - mean).norm(dim=-1).mean().item():.2g}")
+    return rows * (READOUT_LOGIT_STD / spread)
 
 
 def _parameter_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -756,14 +870,17 @@ def write_tiny_checkpoint(
     )
     _write_json(path / "decision_config.json", decision)
 
-    hidden = config["text_config"]["hidden_size"]
-    readout = torch.randn((NUM_CODES, hidden), generator=_generator(seed, 1))
-    readout *= READOUT_LOGIT_STD / math.sqrt(hidden)
-    save_file({"weight": readout}, str(path / "readout.safetensors"))
-
     model = _skeleton(config)
-    if weights:
-        _write_backbone(path, model, seed)
+    if shape == "tiny":
+        backbone = dict(_backbone_tensors(model, seed))
+        readout = _readout(seed, config, tokenizer, backbone)
+        if weights:
+            _write_backbone(path, backbone.items())
+    else:
+        readout = _readout(seed, config, tokenizer, None)
+        if weights:
+            _write_backbone(path, _backbone_tensors(model, seed))
+    save_file({"weight": readout.contiguous()}, str(path / "readout.safetensors"))
     manifest = _manifest(
         path,
         shape=shape,

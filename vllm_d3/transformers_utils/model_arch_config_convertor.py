@@ -1,4 +1,5 @@
-"""D3 checkpoint detection (upstream: ``transformers_utils/model_arch_config_convertor.py``).
+"""D3 checkpoint detection
+(upstream: ``transformers_utils/model_arch_config_convertor.py``).
 
 0.33.0's Qwen3.5 convertor recognises a D3 package by its ``decision_config.json``
 and attaches the file to ``hf_config``. This subclass, registered for ``qwen3_5``,

@@ -1,4 +1,5 @@
-"""The D3 entry of ``MODELS_CONFIG_MAP`` (upstream: ``model_executor/models/config.py``).
+"""The D3 entry of ``MODELS_CONFIG_MAP``
+(upstream: ``model_executor/models/config.py``).
 
 ``D3ForSequenceClassificationConfig`` extends 0.33.0's class of the same name:
 
@@ -111,9 +112,7 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
 
     @staticmethod
     def verify_and_update_config(vllm_config: "VllmConfig") -> None:
-        upstream.D3ForSequenceClassificationConfig.verify_and_update_config(
-            vllm_config
-        )
+        upstream.D3ForSequenceClassificationConfig.verify_and_update_config(vllm_config)
         decision = _decision_of(vllm_config.model_config)
         if decision is None or attention_mode_of(decision) != PREFIX_BIDIR:
             return

@@ -1,4 +1,5 @@
-"""The D3 model for prefix_bidir checkpoints (upstream: ``model_executor/models/d3.py``).
+"""The D3 model for prefix_bidir checkpoints
+(upstream: ``model_executor/models/d3.py``).
 
 Registered over the in-tree ``D3ForSequenceClassification`` name, so every lookup
 (config map, read strategy, processor) keeps working. For a ``prefix_bidir``

@@ -73,7 +73,9 @@ class TemperatureSchedule:
     temperatures: tuple[float, ...]
 
     def temperature_for(self, num_questions: int) -> float:
-        for limit, temperature in zip(self.max_questions, self.temperatures):
+        for limit, temperature in zip(
+            self.max_questions, self.temperatures, strict=False
+        ):
             if num_questions <= limit:
                 return temperature
         return self.temperatures[-1]
@@ -97,7 +99,7 @@ def temperature_schedule_of(decision: Mapping[str, Any]) -> TemperatureSchedule 
         raise malformed("max_questions must be a non-empty list")
     if not all(_is_int(n) and n > 0 for n in limits):
         raise malformed("max_questions must hold positive integers")
-    if any(a >= b for a, b in zip(limits, limits[1:])):
+    if any(a >= b for a, b in zip(limits, limits[1:], strict=False)):
         raise malformed("max_questions must be strictly increasing")
     if not isinstance(temperatures, list) or len(temperatures) != len(limits) + 1:
         raise malformed("temperature must hold one more value than max_questions")

@@ -21,6 +21,7 @@ the state block.
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.entrypoints.openai.decisions import strategies as upstream
@@ -30,7 +31,7 @@ from vllm.entrypoints.openai.decisions.question_types import (
     label_softmax,
 )
 from vllm.entrypoints.openai.decisions.strategies import QuestionRead, ReadContext
-from vllm.inputs import EngineInput, tokens_input
+from vllm.inputs import EngineInput, MultiModalInput, tokens_input
 from vllm.lora.request import LoRARequest
 from vllm.pooling_params import PoolingParams
 
@@ -39,6 +40,15 @@ from vllm_d3.model_executor.models.d3_contract import (
     is_prefix_bidir,
     temperature_schedule_of,
 )
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One question's classify read."""
+
+    engine_input: EngineInput
+    prompt_ids: list[int]
+    state_tokens: int
 
 
 def state_block_size(offsets: Sequence[tuple[int, int]], state_end: int) -> int:
@@ -63,41 +73,36 @@ class D3Strategy(upstream.D3Strategy):
             return self.temperature
         return self.temperature_schedule.temperature_for(num_questions)
 
-    def _state_end(self, prompt: str, state: str, search_from: int) -> int:
+    def _state_end(self, prompt: str, state: str) -> int:
         """The character offset where the state text ends in a rendered prompt."""
         head = "State:\n"
-        block = f"{head}{state}\n\nQuestion:\n"
-        start = prompt.find(block, search_from)
+        start = prompt.find(f"{head}{state}\n\nQuestion:\n")
         if start < 0:
             raise StructuredDecisionError(
                 "the chat template did not render the D3 state block as expected"
             )
         return start + len(head) + len(state)
 
-    def _tokens_and_state_size(self, text: str, state_end: int) -> tuple[list[int], int]:
-        encoded = self.tokenizer(
-            text, add_special_tokens=False, return_offsets_mapping=True
-        )
-        ids = list(encoded["input_ids"])
-        return ids, state_block_size(encoded["offset_mapping"], state_end)
+    def _tokens_and_state_size(self, text: str, state: str) -> tuple[list[int], int]:
+        tokenizer: Any = self.tokenizer  # a Hugging Face fast tokenizer
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        size = state_block_size(encoded["offset_mapping"], self._state_end(text, state))
+        return list(encoded["input_ids"]), size
 
-    async def _engine_inputs(
+    async def _reads(
         self,
         prompts: list[str],
         state: str,
         media: Mapping[str, Sequence[str]],
         cache_salt: str | None,
-    ) -> tuple[list[EngineInput], list[int]]:
-        """Each prompt's engine input and its state block size."""
+    ) -> list[_Read]:
+        """Each prompt's engine input, token ids and state block size."""
         if not media:
-            inputs, sizes = [], []
+            reads = []
             for prompt in prompts:
-                ids, size = self._tokens_and_state_size(
-                    prompt, self._state_end(prompt, state, 0)
-                )
-                inputs.append(tokens_input(ids, cache_salt=cache_salt))
-                sizes.append(size)
-            return inputs, sizes
+                ids, size = self._tokens_and_state_size(prompt, state)
+                reads.append(_Read(tokens_input(ids, cache_salt=cache_salt), ids, size))
+            return reads
         # The media come first: every prompt shares the prefix that ends at the
         # last placeholder, rendered (and its media read) once.
         split = prompts[0].rindex(self.VISION_END) + len(self.VISION_END)
@@ -106,15 +111,44 @@ class D3Strategy(upstream.D3Strategy):
             raise StructuredDecisionError("the questions' prompts do not share media")
         media_input = await self._render_media(prefix, media, cache_salt)
         media_ids = media_input["prompt_token_ids"]
-        inputs, sizes = [], []
+        reads = []
         for prompt in prompts:
-            rest = prompt[split:]
-            ids, size = self._tokens_and_state_size(
-                rest, self._state_end(rest, state, 0)
+            ids, size = self._tokens_and_state_size(prompt[split:], state)
+            engine_input = MultiModalInput(**media_input)
+            engine_input["prompt_token_ids"] = media_ids + ids
+            reads.append(_Read(engine_input, media_ids + ids, len(media_ids) + size))
+        return reads
+
+    async def _code_logits(
+        self,
+        read: _Read,
+        request_id: str,
+        lora_request: LoRARequest | None,
+        trace_headers: Mapping[str, str] | None,
+        priority: int,
+    ) -> list[float]:
+        extra = (
+            {STATE_TOKENS_KEY: int(read.state_tokens)} if self.prefix_bidir else None
+        )
+        params = PoolingParams(
+            task="classify", use_activation=False, extra_kwargs=extra
+        )
+        outputs = [
+            output
+            async for output in self.context.engine_client.encode(
+                read.engine_input,
+                params,
+                request_id,
+                lora_request=lora_request,
+                trace_headers=trace_headers,
+                priority=priority,
             )
-            inputs.append({**media_input, "prompt_token_ids": media_ids + ids})
-            sizes.append(len(media_ids) + size)
-        return inputs, sizes
+        ]
+        if not outputs:
+            raise ValueError("Failed to score the question: no output")
+        if (error := outputs[-1].error) is not None:
+            raise ValueError(f"Failed to score the question: {error.message}")
+        return outputs[-1].outputs.data.tolist()
 
     async def read(
         self,
@@ -150,55 +184,34 @@ class D3Strategy(upstream.D3Strategy):
         media = media or {}
         placeholders = [m for m in ("image", "video") for _ in media.get(m, ())]
         prompts = [self._prompt(state, q, placeholders) for q in questions]
-        inputs, state_sizes = await self._engine_inputs(
-            prompts, state, media, cache_salt
-        )
-        for q, engine_input in zip(questions, inputs):
-            length = len(engine_input["prompt_token_ids"])
-            if length > self.max_model_len:
+        reads = await self._reads(prompts, state, media, cache_salt)
+        for q, read in zip(questions, reads, strict=True):
+            if len(read.prompt_ids) > self.max_model_len:
                 raise StructuredDecisionError(
-                    f"question {q.id!r}: the prompt has {length} tokens, more than "
-                    f"max_model_len={self.max_model_len}; nothing is truncated"
+                    f"question {q.id!r}: the prompt has {len(read.prompt_ids)} "
+                    f"tokens, more than max_model_len={self.max_model_len}; "
+                    "nothing is truncated"
                 )
-
-        async def code_logits(n: int, engine_input: EngineInput, size: int) -> list:
-            extra = {STATE_TOKENS_KEY: int(size)} if self.prefix_bidir else None
-            params = PoolingParams(
-                task="classify", use_activation=False, extra_kwargs=extra
-            )
-            output = None
-            async for output in self.context.engine_client.encode(
-                engine_input,
-                params,
-                f"{request_id}-{n}",
-                lora_request=lora_request,
-                trace_headers=trace_headers,
-                priority=priority,
-            ):
-                pass
-            if output is None or output.error is not None:
-                why = "no output" if output is None else output.error.message
-                raise ValueError(f"Failed to score the question: {why}")
-            return output.outputs.data.tolist()
-
         logits = await asyncio.gather(
             *(
-                code_logits(n, engine_input, size)
-                for n, (engine_input, size) in enumerate(zip(inputs, state_sizes))
+                self._code_logits(
+                    read, f"{request_id}-{n}", lora_request, trace_headers, priority
+                )
+                for n, read in enumerate(reads)
             )
         )
         temperature = self.temperature_for(len(questions))
-        reads = []
-        for q, engine_input, row in zip(questions, inputs, logits):
+        answers = []
+        for q, read, row in zip(questions, reads, logits, strict=True):
             texts, order = self._options(q)
             probs = label_softmax([v / temperature for v in row[: len(texts)]])
-            reads.append(
+            answers.append(
                 QuestionRead(
                     probs=[probs[i] for i in order],
                     label_mass=1.0,
                     argmax_is_label=True,
-                    input_tokens=len(engine_input["prompt_token_ids"]),
+                    input_tokens=len(read.prompt_ids),
                     output_tokens=0,
                 )
             )
-        return reads
+        return answers

@@ -7,7 +7,8 @@ spec-decode counters) is kept as it is. On top of it:
 
 - ``add_request`` reads the request's ``PoolingParams.extra_kwargs["d3_state_tokens"]``
   (``s``, validated by ``state_tokens_of``: an int, ``1 <= s <= n``) and keeps
-  ``(s, n)`` per request id until ``remove_request``.
+  ``(s, n)`` per request id until ``remove_request``. vLLM's own warm-up requests
+  carry no size; they are split in the middle, which compiles the ranged kernels.
 - ``prefix_ranges`` gives, per batch row, the request's two PrefixLM ranges
   ``[0, s)`` and ``[s, n)`` with the inclusive ends the attention backends take:
   ``[(0, s - 1), (s, n - 1)]``. Attention is then causal OR both ways inside one
@@ -35,8 +36,10 @@ from vllm.v1.worker.utils import AttentionGroup
 
 from vllm_d3.model_executor.models.d3_contract import state_tokens_of
 
-
 PrefixRanges = dict[int, list[tuple[int, int]]]
+#: How vLLM 0.33.0 names the dummy requests of its kernel warm-up
+#: (``v1/worker/gpu/warmup.py``: ``req_ids = [f"_warmup_{i}_" ...]``).
+WARMUP_REQUEST_PREFIX = "_warmup_"
 
 
 class _RangedAttentionGroup:
@@ -64,12 +67,16 @@ class D3PrefixBidirModelState(MambaHybridModelState):
 
     def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
         params = new_req_data.pooling_params
+        extra = None if params is None else params.extra_kwargs
         prompt_len = new_req_data.prompt_len
-        # The front end (vllm_d3.patches) already refused a request without a
-        # valid size, so a failure here means a caller bypassed it.
-        state_tokens = state_tokens_of(
-            None if params is None else params.extra_kwargs, prompt_len
-        )
+        if new_req_data.req_id.startswith(WARMUP_REQUEST_PREFIX) and not extra:
+            # vLLM's own kernel warm-up: split its dummy prompt in two so the
+            # ranged attention kernels are compiled before the first request.
+            state_tokens = max(1, prompt_len // 2)
+        else:
+            # The front end (vllm_d3.patches) already refused a request without
+            # a valid size, so a failure here means a caller bypassed it.
+            state_tokens = state_tokens_of(extra, prompt_len)
         super().add_request(req_index, new_req_data)
         self.state_blocks[new_req_data.req_id] = (state_tokens, prompt_len)
 

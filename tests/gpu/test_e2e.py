@@ -1,0 +1,82 @@
+"""GPU: vLLM 0.33.0 + vllm-d3 against the reference runtime, end to end.
+
+One command on any CUDA machine with vLLM 0.33.0 and this package installed:
+
+    pytest -m gpu tests/gpu            # quick sets (one request each, no long states)
+    VLLM_D3_FULL_VALIDATION=1 pytest -m gpu tests/gpu   # + 24K and 64K-token states
+
+The run (``vllm_d3.testing.validation``) also writes ``results.json`` and
+``validation.md`` under ``VLLM_D3_VALIDATION_OUT`` (default: a pytest temp dir).
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_d3.testing.validation import (
+    CONTROL_MARGIN,
+    LONG_MAX_MODEL_LEN,
+    TOLERANCE,
+    VALIDATED_LENGTH,
+    passes,
+    run,
+)
+
+pytestmark = pytest.mark.gpu
+
+SERVED = (
+    "prefix_bidir, in process (LLM.classify)",
+    "prefix_bidir, HTTP /v1/systemone",
+    "causal checkpoint, in process",
+    "noncausal_full_attention checkpoint, in process",
+)
+CONTROLS = (
+    "control: state size withheld (one block), in process",
+    "control: served vs reference causal mask",
+    "control: served vs reference whole-prompt bidirectional",
+)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = os.environ.get("VLLM_D3_VALIDATION_OUT")
+    out_dir = Path(out) if out else tmp_path_factory.mktemp("validation")
+    quick = os.environ.get("VLLM_D3_FULL_VALIDATION") != "1"
+    return run(out_dir, quick=quick, work=tmp_path_factory.mktemp("work"))
+
+
+@pytest.mark.parametrize("table", SERVED)
+def test_answers_match_the_reference(results, table):
+    failing = {
+        name: stats
+        for name, stats in results["tables"][table].items()
+        if not passes(stats)
+    }
+    assert not failing
+
+
+@pytest.mark.parametrize("control", CONTROLS)
+def test_wrong_masks_are_clearly_wrong(results, control):
+    stats = results["tables"][control].values()
+    assert max(s["max_dp"] for s in stats) > CONTROL_MARGIN * TOLERANCE
+    served = results["tables"][SERVED[0]]
+    changed = sum(s["decisions_changed"] for s in stats)
+    assert changed > sum(served[name]["decisions_changed"] for name in served)
+
+
+def test_bad_input_is_refused_and_serving_goes_on(results):
+    http = results["http"]
+    assert all(400 <= b["status"] < 500 for b in http["bad_inputs"]), http["bad_inputs"]
+    assert http["valid_after_bad_inputs"] == 200
+
+
+def test_max_model_len_default_and_override(results):
+    http = results["http"]
+    # No flag: the checkpoint's validated_length; --max-model-len 131072 wins.
+    expected = LONG_MAX_MODEL_LEN if http["max_model_len_flag"] else VALIDATED_LENGTH
+    assert http["max_model_len"] == expected
+
+
+def test_prefix_caching_is_refused_at_start_up(results):
+    assert results["prefix_caching"] == {"refused": True, "message_present": True}

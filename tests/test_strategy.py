@@ -1,0 +1,243 @@
+"""The D3 read strategy on a real tokenizer, renderer and multimodal processor.
+
+The engine is the one boundary replaced (``RecordingEngine``): it records what the
+strategy sends and answers with fixed code logits. The state block size the
+strategy sends is checked against an independent count done here on raw bytes:
+the byte-level BPE token strings mapped back to UTF-8 bytes, against the UTF-8
+length of the prompt up to the end of the state text.
+"""
+
+import asyncio
+import base64
+import io
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.openai.decisions.question_types import build_question
+from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES, ReadContext
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.renderers.registry import renderer_from_config
+
+import vllm_d3
+
+ULTRA = {"max_questions": [1, 4], "temperature": [2.0, 1.0, 0.5]}
+STATES = [
+    "plain words",
+    "Is it ok?",
+    "The end.",
+    "ends with spaces   ",
+    "ends with newlines\n\n",
+    "tab and space \t ",
+    "状态：你好，世界",
+    "emoji at the end 👍🏽",
+    {"user": "ana", "items": [1, 2.5, None], "note": "trailing space "},
+    None,
+    "",
+]
+
+
+def byte_level_decoder() -> dict[str, int]:
+    """GPT-2's reversible byte <-> printable-character table, built here."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def independent_state_size(
+    tokenizer, ids: list[int], text_bytes_to_state_end: int
+) -> int:
+    """Leading tokens whose bytes end by the end of the state text."""
+    decoder = byte_level_decoder()
+    added = {t.content for t in tokenizer.added_tokens_decoder.values()}
+    consumed, count = 0, 0
+    for token in tokenizer.convert_ids_to_tokens(ids):
+        size = len(token.encode()) if token in added else len(token)
+        assert token in added or all(ch in decoder for ch in token)
+        if consumed + size > text_bytes_to_state_end:
+            break
+        consumed += size
+        count += 1
+    return count
+
+
+class RecordingEngine:
+    """Stands in for the GPU engine: records each read, answers fixed logits."""
+
+    def __init__(self, model_config, num_codes: int):
+        self.model_config = model_config
+        self.reads: list[tuple[dict, object]] = []
+        self.logits = torch.linspace(2.0, -2.0, num_codes)
+
+    async def encode(self, engine_input, params, request_id, **kwargs):
+        self.reads.append((engine_input, params))
+        yield SimpleNamespace(error=None, outputs=SimpleNamespace(data=self.logits))
+
+
+def make_strategy(path: str):
+    config = EngineArgs(model=path, max_model_len=4096).create_engine_config()
+    renderer = renderer_from_config(config)
+    engine = RecordingEngine(config.model_config, 255)
+    online = OnlineRenderer(
+        config.model_config,
+        renderer,
+        request_logger=None,
+        chat_template=None,
+        chat_template_content_format="auto",
+    )
+    context = ReadContext(
+        engine_client=engine,
+        online_renderer=online,
+        chat_template=None,
+        chat_template_content_format="auto",
+        default_chat_template_kwargs={},
+    )
+    vllm_d3.register()
+    strategy_cls = READ_STRATEGIES[config.model_config.architecture]
+    return strategy_cls(context), engine
+
+
+QUESTIONS = [
+    ("q1", "noul", "Is it a greeting?", None),
+    ("q2", "choice", "Which?", {"red": None, "blue": "the sea", "green": None}),
+    ("q3", "score", "", ["low", "mid", "high"]),
+]
+
+
+def read(strategy, state, media=None):
+    questions = [
+        build_question(qid, kind, text, criteria, 255, labeled=False)
+        for qid, kind, text, criteria in QUESTIONS
+    ]
+    return asyncio.run(
+        strategy.read(
+            questions,
+            None,
+            strategy.render_state(state),
+            request_id="t",
+            chat_template_kwargs=None,
+            lora_request=None,
+            priority=0,
+            media=media,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def prefix_bidir(make_checkpoint):
+    return make_strategy(make_checkpoint(weights=False))
+
+
+@pytest.mark.parametrize("state", STATES, ids=repr)
+def test_state_block_size_text(prefix_bidir, state):
+    strategy, engine = prefix_bidir
+    engine.reads.clear()
+    read(strategy, state)
+    rendered = strategy.render_state(state)
+    assert len(engine.reads) == len(QUESTIONS)
+    for (engine_input, params), (_, _kind, _text, _criteria) in zip(
+        engine.reads, QUESTIONS, strict=True
+    ):
+        ids = engine_input["prompt_token_ids"]
+        s = params.extra_kwargs["d3_state_tokens"]
+        assert type(s) is int
+        prompt = strategy.tokenizer.decode(ids)
+        marker = "State:\n" + rendered
+        state_end = prompt.index(marker + "\n\nQuestion:\n") + len(marker)
+        expected = independent_state_size(
+            strategy.tokenizer, ids, len(prompt[:state_end].encode())
+        )
+        assert s == expected
+        assert 1 <= s < len(ids)
+
+
+def test_a_straddling_token_goes_to_the_question(prefix_bidir):
+    strategy, engine = prefix_bidir
+    engine.reads.clear()
+    read(strategy, "Is it ok?")
+    engine_input, params = engine.reads[0]
+    ids = engine_input["prompt_token_ids"]
+    s = params.extra_kwargs["d3_state_tokens"]
+    # The first question token starts inside the state text: the final "?"
+    # joined the newlines that open the question block.
+    first_question_token = strategy.tokenizer.decode(ids[s : s + 1])
+    assert first_question_token.startswith("?") and "\n" in first_question_token
+    assert strategy.tokenizer.decode(ids[:s]).endswith("Is it ok")
+
+
+def png_data_url(width: int, height: int, seed: int) -> str:
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=generator)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.to(torch.uint8).numpy()).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize("num_images", [1, 3])
+def test_media_are_inside_the_state_block(prefix_bidir, num_images):
+    strategy, engine = prefix_bidir
+    engine.reads.clear()
+    images = [png_data_url(320, 256, i) for i in range(num_images)]
+    read(strategy, "a photo   ", media={"image": images})
+    tokenizer = strategy.tokenizer
+    vision_end = tokenizer.convert_tokens_to_ids("<|vision_end|>")
+    image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for engine_input, params in engine.reads:
+        ids = engine_input["prompt_token_ids"]
+        s = params.extra_kwargs["d3_state_tokens"]
+        media_end = len(ids) - ids[::-1].index(vision_end)
+        assert ids[:media_end].count(vision_end) == num_images
+        assert ids.count(image_pad) > num_images  # placeholders were expanded
+        rest = ids[media_end:]
+        prompt = tokenizer.decode(rest)
+        state_end = prompt.index("State:\na photo   \n\n") + len("State:\na photo   ")
+        expected = independent_state_size(
+            tokenizer, rest, len(prompt[:state_end].encode())
+        )
+        assert s == media_end + expected
+        assert len(engine_input["mm_kwargs"]["image"]) == num_images
+
+
+def test_temperature_by_questions(make_checkpoint):
+    path = make_checkpoint(
+        weights=False, decision_overrides={"temperature_by_questions": ULTRA}
+    )
+    strategy, engine = make_strategy(path)
+    reads = read(strategy, "x")  # three questions: 1 < 3 <= 4 -> 1.0
+    logits = engine.logits.tolist()
+    choice = reads[1].probs
+    weights = [math.exp(v / 1.0) for v in logits[:3]]
+    assert choice == pytest.approx([w / sum(weights) for w in weights])
+    one = asyncio.run(
+        strategy.read(
+            [build_question("q", "choice", "", {"a": None, "b": None}, 255, False)],
+            None,
+            "x",
+            request_id="t1",
+            chat_template_kwargs=None,
+            lora_request=None,
+            priority=0,
+        )
+    )
+    weights = [math.exp(v / 2.0) for v in logits[:2]]
+    assert one[0].probs == pytest.approx([w / sum(weights) for w in weights])
+
+
+@pytest.mark.parametrize("mode", ["causal", "noncausal_full_attention"])
+def test_other_modes_read_as_before(make_checkpoint, mode):
+    strategy, engine = make_strategy(
+        make_checkpoint(attention_mode=mode, weights=False)
+    )
+    reads = read(strategy, "x")
+    assert all(params.extra_kwargs is None for _, params in engine.reads)
+    temperature = strategy.temperature
+    weights = [math.exp(v / temperature) for v in engine.logits.tolist()[:3]]
+    assert reads[1].probs == pytest.approx([w / sum(weights) for w in weights])

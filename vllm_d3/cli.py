@@ -1,0 +1,177 @@
+"""``vllm-d3``: the package's command line.
+
+``vllm-d3 demo`` shows the main job in one command. It builds (once, into a cache
+directory) a tiny ``prefix_bidir`` D3 checkpoint with the factory, serves it with
+``vllm serve`` on loopback with no extra flag, sends one /v1/systemone request (a
+text state with a noul, a choice and a score question), prints vLLM's answers
+next to the reference runtime's, shuts the server down, and exits 1 if an answer
+differs by more than the tolerance. ``--model`` serves a real checkpoint (a path
+or hub id) the same way. On a machine without a CUDA GPU it says so in one line
+and prints the reference runtime's answers alone: vLLM never runs there.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TOLERANCE = 0.02
+DEMO_REQUEST: dict[str, Any] = {
+    "state": (
+        "Order 1042: two lamps and a desk chair, paid by card. The customer wrote "
+        "that one lamp arrived with a cracked shade and asked what happens next."
+    ),
+    "questions": {
+        "damaged": {"type": "noul", "instructions": "Does the customer report damage?"},
+        "intent": {
+            "type": "choice",
+            "instructions": "What does the customer want?",
+            "criteria": {
+                "refund": "money back",
+                "replacement": "a new item",
+                "information": "to know the next step",
+                "cancel": None,
+            },
+        },
+        "urgency": {
+            "type": "score",
+            "instructions": "How urgent is this message?",
+            "criteria": ["low", "medium", "high"],
+        },
+    },
+}
+
+
+def step(message: str) -> None:
+    print(f"vllm-d3 demo: {message}", flush=True)
+
+
+def default_cache() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "vllm-d3"
+
+
+def tiny_checkpoint(cache: Path) -> str:
+    from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    path = cache / "tiny-prefix-bidir"
+    if (path / "decision_config.json").exists():
+        step(f"using the tiny prefix_bidir checkpoint in {path}")
+        return str(path)
+    step(f"building a tiny prefix_bidir checkpoint in {path}")
+    partial = cache / f".tiny-prefix-bidir-{os.getpid()}"
+    write_tiny_checkpoint(partial, attention_mode="prefix_bidir", vision=True)
+    partial.rename(path)
+    return str(path)
+
+
+def reference_answers(model: str, device: str, dtype_name: str) -> dict[str, Any]:
+    import torch
+
+    from vllm_d3.reference import ReferenceRuntime
+
+    dtype = getattr(torch, dtype_name)
+    return ReferenceRuntime(model, device=device, dtype=dtype).answer(DEMO_REQUEST)
+
+
+def serve_and_ask(model: str, serve_args: list[str]) -> dict[str, Any]:
+    from vllm_d3.testing.validation import Server, post
+
+    log_file = Path(tempfile.gettempdir()) / f"vllm-d3-demo-{os.getpid()}.log"
+    step(f"starting vllm serve {model} (log: {log_file})")
+    with Server(model, *serve_args, log_file=log_file) as server:
+        up = server.wait()
+        if up < 0:
+            raise SystemExit(f"vllm serve exited during start-up; see {log_file}")
+        step(f"server up in {up:.0f} s; asking /v1/systemone")
+        status, body = post(server.url + "/v1/systemone", DEMO_REQUEST)
+    step("server stopped")
+    if status != 200:
+        raise SystemExit(f"/v1/systemone answered HTTP {status}: {body}")
+    return body
+
+
+def _line(qid: str, answer: dict[str, Any]) -> str:
+    kind = answer["type"]
+    probs = ", ".join(f"{k}={v:.3f}" for k, v in answer["probabilities"].items())
+    headline = {
+        "noul": lambda: f"noul={answer['noul']:.3f}",
+        "choice": lambda: f"choice={answer['choice']}",
+        "score": lambda: f"score={answer['score']:.3f}",
+    }[kind]()
+    return f"  {qid:<9} {headline:<22} [{probs}]"
+
+
+def show(title: str, response: dict[str, Any]) -> None:
+    print(title)
+    for qid, answer in response["answers"].items():
+        print(_line(qid, answer))
+
+
+def demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from vllm_d3.testing.compare import compare, flatten
+
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache()
+    model = args.model or tiny_checkpoint(cache)
+    print("request:", json.dumps(DEMO_REQUEST, ensure_ascii=False))
+    if not torch.cuda.is_available():
+        step(
+            "no CUDA GPU on this machine, so vLLM cannot run here; showing the "
+            "reference runtime's answers for the same request instead"
+        )
+        reference = reference_answers(model, "cpu", "float32")
+        show("reference runtime (transformers, float32, CPU):", reference)
+        return 0
+    served = serve_and_ask(model, args.serve_args)
+    show("vLLM + vllm-d3:", served)
+    if args.no_reference:
+        return 0
+    step("computing the reference runtime's answers")
+    # The tiny checkpoint's oracle runs in float32; a real 27B one fits in bf16.
+    dtype_name = "bfloat16" if args.model else "float32"
+    reference = reference_answers(model, "cuda", dtype_name)
+    show(f"reference runtime (transformers, {dtype_name}, GPU):", reference)
+    stats = compare(flatten([reference]), flatten([served]))
+    ok = (
+        stats["max_dp"] <= TOLERANCE
+        and stats["decisions_changed"] == stats["changed_near_ties"]
+    )
+    step(
+        f"max |dp| {stats['max_dp']:.4f} (tolerance {TOLERANCE}), decisions changed "
+        f"{stats['decisions_changed']}: {'OK' if ok else 'DIFFERENT'}"
+    )
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-d3", description=__doc__.splitlines()[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo_parser = sub.add_parser("demo", help="serve a D3 checkpoint and ask it once")
+    demo_parser.add_argument("--model", help="a D3 checkpoint (path or hub id)")
+    demo_parser.add_argument("--cache-dir", help="where the tiny checkpoint is built")
+    demo_parser.add_argument(
+        "--serve-args",
+        default="",
+        help='extra "vllm serve" arguments, e.g. "--gdn-prefill-backend triton"',
+    )
+    demo_parser.add_argument(
+        "--no-reference", action="store_true", help="skip the reference comparison"
+    )
+    args = parser.parse_args(argv)
+    args.serve_args = args.serve_args.split()
+    started = time.time()
+    code = demo(args)
+    step(f"done in {time.time() - started:.0f} s")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,578 @@
+"""End-to-end validation of vLLM + vllm-d3 against the reference runtime (GPU).
+
+``python -m vllm_d3.testing.validation run --out DIR [--quick]`` builds tiny
+checkpoints (prefix_bidir with a vision tower, causal, noncausal_full_attention),
+the seeded request sets of ``requests.py``, and then, each served by vLLM with no
+flag beyond what a user passes (``--gdn-prefill-backend triton`` for the GPU
+bundle, ``--max-model-len 131072`` for the long states):
+
+- reference answers (``vllm_d3.reference``, float32) under the checkpoint's mask,
+  and under the causal and whole-prompt-bidirectional masks for the controls;
+- in process: ``LLM.classify`` with each prompt's state size in ``PoolingParams``
+  (text sets), and the same prompts with the state size withheld, i.e. sent as
+  one block covering the whole prompt (negative control);
+- over HTTP: ``vllm serve`` on loopback, ``POST /v1/systemone`` for every set, the
+  bad inputs that must be 4xx, and a valid request after them;
+- ``--enable-prefix-caching`` on the prefix_bidir checkpoint (must be refused);
+- the causal and noncausal checkpoints in process against their own mode.
+
+It writes ``DIR/results.json`` and ``DIR/validation.md`` (generated from the run,
+with the GPU, versions and command). Each vLLM instance runs in a subprocess of
+this module (``inprocess``) or as a server, one at a time.
+"""
+
+import argparse
+import json
+import math
+import platform
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from vllm_d3.testing.compare import compare, flatten
+from vllm_d3.testing.requests import request_sets
+
+TOLERANCE = 0.02
+TIE = 0.01
+CONTROL_MARGIN = 2.5  # a negative control must exceed the tolerance by this factor
+SERVE_FLAGS = ["--gdn-prefill-backend", "triton"]
+LONG_MAX_MODEL_LEN = 131072
+VALIDATED_LENGTH = 32768
+MODES = ("prefix_bidir", "causal", "noncausal_full_attention")
+
+
+def log(message: str) -> None:
+    print(f"[validation {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def build_checkpoints(root: Path) -> dict[str, str]:
+    from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    paths = {}
+    for mode in MODES:
+        path = root / mode
+        if not (path / "decision_config.json").exists():
+            # Like d3-turbo, the prefix_bidir one declares a validated length.
+            validated = VALIDATED_LENGTH if mode == "prefix_bidir" else None
+            write_tiny_checkpoint(
+                path, attention_mode=mode, vision=True, validated_length=validated
+            )
+        paths[mode] = str(path)
+    return paths
+
+
+def scaled_sets(checkpoint: str, *, quick: bool) -> dict[str, list[dict[str, Any]]]:
+    """The request sets, with the long states sized in this tokenizer's tokens."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from vllm_d3.testing.requests import text_state
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    sample = text_state(random.Random(1), 2000)
+    tokens_per_word = len(tokenizer(sample)["input_ids"]) / 2000
+    return request_sets(
+        0,
+        per_set=1 if quick else 2,
+        long=not quick,
+        words_per_token=1 / tokens_per_word,
+    )
+
+
+# ------------------------------------------------------------------ reference
+
+
+def reference_answers(
+    checkpoint: str, sets: dict[str, list[dict]], attention: str | None
+) -> dict[str, list[dict]]:
+    import torch
+
+    from vllm_d3.reference import ReferenceRuntime
+
+    runtime = ReferenceRuntime(checkpoint, device="cuda", dtype=torch.float32)
+    out = {}
+    for name, requests in sets.items():
+        long = name.startswith(("24K", "64K"))
+        path = (
+            "state_once"
+            if long and attention in (None, "prefix_bidir")
+            else "per_question"
+        )
+        out[name] = [
+            runtime.answer(r, path=path, attention=attention) for r in requests
+        ]
+        log(f"reference {attention or 'checkpoint mode'}: {name}")
+    del runtime
+    torch.cuda.empty_cache()
+    return out
+
+
+# ----------------------------------------------------------------- in process
+
+
+def _answer_from_logits(
+    question: dict, logits: list[float], temperature: float
+) -> dict:
+    kind, criteria = question["type"], question.get("criteria") or {}
+    if kind == "noul":
+        names = ["false", "true"]
+    elif kind == "score":
+        names = [str(i) for i in range(len(criteria))]
+    else:
+        names = list(criteria)
+    scaled = [v / temperature for v in logits[: len(names)]]
+    top = max(scaled)
+    weights = [math.exp(v - top) for v in scaled]
+    probs = [w / sum(weights) for w in weights]
+    if kind == "noul":
+        return {
+            "type": "noul",
+            "probabilities": {"yes": probs[1], "no": probs[0]},
+            "noul": probs[1],
+        }
+    return {"type": kind, "probabilities": dict(zip(names, probs, strict=True))}
+
+
+def run_inprocess(checkpoint: str, sets_file: str, out_file: str, long: bool) -> None:
+    """LLM.classify over the reference-rendered prompts of every text set, with
+    and without (one whole-prompt block) the state sizes."""
+    from vllm import LLM, PoolingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_d3.model_executor.models.d3_contract import temperature_schedule_of
+    from vllm_d3.reference import ReferenceRuntime
+
+    sets = json.loads(Path(sets_file).read_text())
+    renderer = ReferenceRuntime(checkpoint, device="cpu")
+    decision = json.loads((Path(checkpoint) / "decision_config.json").read_text())
+    schedule = temperature_schedule_of(decision)
+    prefix_bidir = decision.get("attention_mode") == "prefix_bidir"
+    kwargs: dict[str, Any] = {"model": checkpoint, "gdn_prefill_backend": "triton"}
+    if long:
+        kwargs["max_model_len"] = LONG_MAX_MODEL_LEN
+    started = time.time()
+    llm = LLM(**kwargs)
+    log(f"in-process LLM up in {time.time() - started:.0f}s")
+    results: dict[str, Any] = {}
+    variants = ("served", "one block") if prefix_bidir else ("served",)
+    for name, requests in sets.items():
+        if any(r.get("images") or r.get("videos") for r in requests):
+            continue
+        rendered = [renderer.render(r) for r in requests]
+        prompts = [
+            TokensPrompt(prompt_token_ids=q.token_ids) for qs in rendered for q in qs
+        ]
+        for variant in variants:
+            params = [
+                PoolingParams(
+                    task="classify",
+                    use_activation=False,
+                    extra_kwargs=None
+                    if not prefix_bidir
+                    else {
+                        "d3_state_tokens": q.state_tokens
+                        if variant == "served"
+                        else len(q.token_ids)
+                    },
+                )
+                for qs in rendered
+                for q in qs
+            ]
+            outputs = iter(llm.classify(prompts, pooling_params=params, use_tqdm=False))
+            responses = []
+            for request, questions in zip(requests, rendered, strict=True):
+                n = len(questions)
+                temperature = (
+                    schedule.temperature_for(n)
+                    if schedule
+                    else decision.get("temperature", 1.0)
+                )
+                answers = {
+                    q.qid: _answer_from_logits(
+                        request["questions"][q.qid],
+                        next(outputs).outputs.probs,
+                        temperature,
+                    )
+                    for q in questions
+                }
+                responses.append({"answers": answers})
+            results.setdefault(variant, {})[name] = responses
+        log(f"in-process: {name}")
+    Path(out_file).write_text(json.dumps(results))
+
+
+def inprocess(checkpoint: str, sets: dict, work: Path, tag: str, long: bool) -> dict:
+    sets_file, out_file = work / f"{tag}-sets.json", work / f"{tag}-inprocess.json"
+    sets_file.write_text(json.dumps(sets))
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_d3.testing.validation",
+        "inprocess",
+        checkpoint,
+        str(sets_file),
+        str(out_file),
+    ] + (["--long"] if long else [])
+    subprocess.run(command, check=True)
+    return json.loads(out_file.read_text())
+
+
+# ----------------------------------------------------------------------- HTTP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class Server:
+    """``vllm serve CHECKPOINT`` on loopback, stopped on exit."""
+
+    def __init__(self, checkpoint: str, *flags: str, log_file: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_file = log_file
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            checkpoint,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *SERVE_FLAGS,
+            *flags,
+        ]
+        self.process = subprocess.Popen(
+            command, stdout=log_file.open("w"), stderr=subprocess.STDOUT
+        )
+
+    def wait(self, timeout: float = 480) -> float:
+        started = time.time()
+        while time.time() - started < timeout:
+            if self.process.poll() is not None:
+                return -1.0
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return time.time() - started
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        raise TimeoutError(f"server not up after {timeout}s; see {self.log_file}")
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def bad_inputs(
+    prompt_ids: list[int], max_model_len: int
+) -> list[tuple[str, str, dict]]:
+    """(what, route, body) of requests that must get a 4xx."""
+    q = {"q": {"type": "noul", "instructions": "Is it?"}}
+    classify = {"input": [prompt_ids]}
+    return [
+        ("d3_state_tokens true", "/classify", {**classify, "d3_state_tokens": True}),
+        ("d3_state_tokens -3", "/classify", {**classify, "d3_state_tokens": -3}),
+        (
+            "d3_state_tokens oversized",
+            "/classify",
+            {**classify, "d3_state_tokens": len(prompt_ids) + 1},
+        ),
+        ("d3_state_tokens missing", "/classify", classify),
+        (
+            "over-long prompt",
+            "/v1/systemone",
+            {"state": "word " * (2 * max_model_len), "questions": q},
+        ),
+        (
+            "unknown question type",
+            "/v1/systemone",
+            {"state": "x", "questions": {"q": {"type": "box"}}},
+        ),
+        (
+            "malformed image",
+            "/v1/systemone",
+            {"state": "x", "questions": q, "images": ["data:image/png;base64,AAAA"]},
+        ),
+    ]
+
+
+def run_http(checkpoint: str, sets: dict, work: Path, long: bool) -> dict:
+    flags = ["--max-model-len", str(LONG_MAX_MODEL_LEN)] if long else []
+    with Server(checkpoint, *flags, log_file=work / "serve.log") as server:
+        up = server.wait()
+        if up < 0:
+            raise RuntimeError(f"vllm serve exited; see {server.log_file}")
+        log(f"server up in {up:.0f}s")
+        answers: dict[str, list[dict]] = {}
+        latency: dict[str, list[float]] = {}
+        for name, requests in sets.items():
+            for request in requests:
+                started = time.time()
+                status, body = post(server.url + "/v1/systemone", request)
+                latency.setdefault(name, []).append(time.time() - started)
+                if status != 200:
+                    raise RuntimeError(f"{name}: HTTP {status}: {body}")
+                answers.setdefault(name, []).append(body)
+            log(f"http: {name}")
+        from vllm_d3.reference import ReferenceRuntime
+
+        ids = (
+            ReferenceRuntime(checkpoint)
+            .render(sets["text, 1 question"][0])[0]
+            .token_ids
+        )
+        with urllib.request.urlopen(server.url + "/v1/models", timeout=10) as reply:
+            max_len = json.loads(reply.read())["data"][0]["max_model_len"]
+        rejected = []
+        for what, route, body in bad_inputs(ids, max_len):
+            status, reply = post(server.url + route, body)
+            rejected.append(
+                {
+                    "what": what,
+                    "route": route,
+                    "status": status,
+                    "message": str(reply.get("error", reply))[:300],
+                }
+            )
+        status, _ = post(server.url + "/v1/systemone", sets["text, 1 question"][0])
+        return {
+            "answers": answers,
+            "latency_s": latency,
+            "server_up_s": up,
+            "max_model_len": max_len,
+            "max_model_len_flag": bool(flags),
+            "bad_inputs": rejected,
+            "valid_after_bad_inputs": status,
+        }
+
+
+def prefix_caching_refused(checkpoint: str, work: Path) -> dict:
+    with Server(
+        checkpoint, "--enable-prefix-caching", log_file=work / "serve-pc.log"
+    ) as server:
+        try:
+            up = server.wait(timeout=300)
+        except TimeoutError:
+            up = 0.0
+    text = server.log_file.read_text()
+    return {
+        "refused": up < 0,
+        "message_present": "do not support prefix caching" in text,
+    }
+
+
+# --------------------------------------------------------------------- report
+
+
+def _table(rows: list[tuple[str, dict]]) -> list[str]:
+    lines = [
+        "| set | questions | decisions changed (near ties) | median abs dp | p90 "
+        "| max |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in rows:
+        lines.append(
+            f"| {name} | {s['questions']} | {s['decisions_changed']} "
+            f"({s['changed_near_ties']}) "
+            f"| {s['median_dp']:.4f} | {s['p90_dp']:.4f} | {s['max_dp']:.4f} |"
+        )
+    return lines
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+    import vllm
+
+    return {
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def passes(stats: dict) -> bool:
+    return (
+        stats["max_dp"] <= TOLERANCE
+        and stats["decisions_changed"] == stats["changed_near_ties"]
+    )
+
+
+def report(results: dict, command: str) -> str:
+    lines = [
+        "# Validation: vLLM + vllm-d3 against the reference runtime",
+        "",
+        "Generated by `vllm_d3.testing.validation` from one run; do not edit by hand.",
+        "",
+        f"Command: `{command}`",
+        "",
+    ]
+    lines += [f"- {k}: {v}" for k, v in results["versions"].items()]
+    lines += [
+        "",
+        f"Targets: max abs dp <= {TOLERANCE}; a decision may change only where the "
+        f"reference's top two are within {TIE}. Negative controls must exceed "
+        f"{CONTROL_MARGIN} x {TOLERANCE}.",
+        "",
+    ]
+    for section, rows in results["tables"].items():
+        lines += [f"## {section}", "", *_table(list(rows.items())), ""]
+    http = results.get("http")
+    if http:
+        lines += [
+            "## Bad input over HTTP",
+            "",
+            "| input | route | status |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {b['what']} | {b['route']} | {b['status']} |"
+            for b in http["bad_inputs"]
+        ]
+        source = (
+            "--max-model-len"
+            if http["max_model_len_flag"]
+            else "validated_length, no flag"
+        )
+        lines += [
+            "",
+            f"A valid request after them: HTTP {http['valid_after_bad_inputs']}.",
+            f"Served max_model_len: {http['max_model_len']} ({source}).",
+            f"Server start-up: {http['server_up_s']:.0f} s.",
+            "",
+        ]
+    if "prefix_caching" in results:
+        lines += [
+            "## --enable-prefix-caching",
+            "",
+            f"Refused at start-up: {results['prefix_caching']}",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def run(out: Path, quick: bool, work: Path | None = None) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    work = work or out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoints = build_checkpoints(work / "checkpoints")
+    main = checkpoints["prefix_bidir"]
+    sets = scaled_sets(main, quick=quick)
+    long = not quick
+    text_sets = {
+        k: v
+        for k, v in sets.items()
+        if not any(r.get("images") or r.get("videos") for r in v)
+    }
+    short_text = {
+        k: v for k, v in text_sets.items() if not k.startswith(("24K", "64K"))
+    }
+    log(f"sets: {', '.join(f'{k} ({len(v)})' for k, v in sets.items())}")
+
+    results: dict[str, Any] = {"versions": _versions(), "tables": {}}
+    ref = reference_answers(main, sets, None)
+    ref_causal = reference_answers(main, short_text, "causal")
+    ref_bidir = reference_answers(main, short_text, "noncausal_full_attention")
+
+    command = "python -m vllm_d3.testing.validation run --out OUT" + (
+        " --quick" if quick else ""
+    )
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "validation.md").write_text(report(results, command))
+
+    def table(against: dict, got: dict, names) -> dict:
+        return {
+            n: compare(flatten(against[n]), flatten(got[n]), tie=TIE) for n in names
+        }
+
+    tables = results["tables"]
+    served = inprocess(main, text_sets, work, "prefix_bidir", long)
+    tables["prefix_bidir, in process (LLM.classify)"] = table(
+        ref, served["served"], text_sets
+    )
+    tables["control: state size withheld (one block), in process"] = table(
+        ref, served["one block"], short_text
+    )
+    save()
+    http = run_http(main, sets, work, long)
+    results["http"] = {k: v for k, v in http.items() if k != "answers"}
+    tables["prefix_bidir, HTTP /v1/systemone"] = table(ref, http["answers"], sets)
+    tables["control: served vs reference causal mask"] = table(
+        ref_causal, http["answers"], short_text
+    )
+    tables["control: served vs reference whole-prompt bidirectional"] = table(
+        ref_bidir, http["answers"], short_text
+    )
+    save()
+    for mode in ("causal", "noncausal_full_attention"):
+        ref_mode = reference_answers(checkpoints[mode], short_text, None)
+        got = inprocess(checkpoints[mode], short_text, work, mode, False)
+        tables[f"{mode} checkpoint, in process"] = table(
+            ref_mode, got["served"], short_text
+        )
+        save()
+    results["prefix_caching"] = prefix_caching_refused(main, work)
+    save()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_p = sub.add_parser("run")
+    run_p.add_argument("--out", type=Path, required=True)
+    run_p.add_argument(
+        "--quick", action="store_true", help="one request per set, no long states"
+    )
+    run_p.add_argument(
+        "--work", type=Path, help="checkpoints and logs (default OUT/work)"
+    )
+    ip = sub.add_parser("inprocess")
+    ip.add_argument("checkpoint")
+    ip.add_argument("sets_file")
+    ip.add_argument("out_file")
+    ip.add_argument("--long", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "inprocess":
+        run_inprocess(args.checkpoint, args.sets_file, args.out_file, args.long)
+    else:
+        run(args.out, args.quick, args.work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
