@@ -43,7 +43,8 @@ def results(tmp_path_factory):
     out = os.environ.get("VLLM_D3_VALIDATION_OUT")
     out_dir = Path(out) if out else tmp_path_factory.mktemp("validation")
     quick = os.environ.get("VLLM_D3_FULL_VALIDATION") != "1"
-    return run(out_dir, quick=quick, work=tmp_path_factory.mktemp("work"))
+    work = tmp_path_factory.mktemp("work")
+    return run(out_dir, quick=quick, work=work, parallel=True)
 
 
 @pytest.mark.parametrize("table", SERVED)

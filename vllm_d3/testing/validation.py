@@ -42,6 +42,7 @@ TIE = 0.01
 CONTROL_MARGIN = 2.5  # a negative control must exceed the tolerance by this factor
 SERVE_FLAGS = ["--gdn-prefill-backend", "triton"]
 LONG_MAX_MODEL_LEN = 131072
+PARALLEL_MEMORY = 0.2
 VALIDATED_LENGTH = 32768
 MODES = ("prefix_bidir", "causal", "noncausal_full_attention")
 
@@ -142,7 +143,9 @@ def _answer_from_logits(
     return {"type": kind, "probabilities": dict(zip(names, probs, strict=True))}
 
 
-def run_inprocess(checkpoint: str, sets_file: str, out_file: str, long: bool) -> None:
+def run_inprocess(
+    checkpoint: str, sets_file: str, out_file: str, long: bool, memory: float | None
+) -> None:
     """LLM.classify over the reference-rendered prompts of every text set, with
     and without (one whole-prompt block) the state sizes."""
     from vllm import LLM, PoolingParams
@@ -157,6 +160,8 @@ def run_inprocess(checkpoint: str, sets_file: str, out_file: str, long: bool) ->
     schedule = temperature_schedule_of(decision)
     prefix_bidir = decision.get("attention_mode") == "prefix_bidir"
     kwargs: dict[str, Any] = {"model": checkpoint, "gdn_prefill_backend": "triton"}
+    if memory is not None:
+        kwargs["gpu_memory_utilization"] = memory
     if long:
         kwargs["max_model_len"] = LONG_MAX_MODEL_LEN
     started = time.time()
@@ -210,20 +215,31 @@ def run_inprocess(checkpoint: str, sets_file: str, out_file: str, long: bool) ->
     Path(out_file).write_text(json.dumps(results))
 
 
-def inprocess(checkpoint: str, sets: dict, work: Path, tag: str, long: bool) -> dict:
-    sets_file, out_file = work / f"{tag}-sets.json", work / f"{tag}-inprocess.json"
-    sets_file.write_text(json.dumps(sets))
-    command = [
-        sys.executable,
-        "-m",
-        "vllm_d3.testing.validation",
-        "inprocess",
-        checkpoint,
-        str(sets_file),
-        str(out_file),
-    ] + (["--long"] if long else [])
-    subprocess.run(command, check=True)
-    return json.loads(out_file.read_text())
+class InProcess:
+    """``run_inprocess`` in a subprocess of its own (one vLLM engine each)."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        sets: dict,
+        work: Path,
+        tag: str,
+        long: bool,
+        memory: float | None,
+    ):
+        sets_file = work / f"{tag}-sets.json"
+        self.out_file = work / f"{tag}-inprocess.json"
+        sets_file.write_text(json.dumps(sets))
+        command = [sys.executable, "-m", "vllm_d3.testing.validation", "inprocess"]
+        command += [checkpoint, str(sets_file), str(self.out_file)]
+        command += ["--long"] if long else []
+        command += [] if memory is None else ["--memory", str(memory)]
+        self.process = subprocess.Popen(command)
+
+    def result(self) -> dict:
+        if self.process.wait() != 0:
+            raise RuntimeError(f"in-process run failed: {self.process.args!r}")
+        return json.loads(self.out_file.read_text())
 
 
 # ----------------------------------------------------------------------- HTTP
@@ -326,9 +342,14 @@ def bad_inputs(
     ]
 
 
-def run_http(checkpoint: str, sets: dict, work: Path, long: bool) -> dict:
+def run_http(
+    checkpoint: str, sets: dict, work: Path, long: bool, memory: float | None
+) -> dict:
     flags = ["--max-model-len", str(LONG_MAX_MODEL_LEN)] if long else []
-    with Server(checkpoint, *flags, log_file=work / "serve.log") as server:
+    memory_flags = [] if memory is None else ["--gpu-memory-utilization", str(memory)]
+    with Server(
+        checkpoint, *flags, *memory_flags, log_file=work / "serve.log"
+    ) as server:
         up = server.wait()
         if up < 0:
             raise RuntimeError(f"vllm serve exited; see {server.log_file}")
@@ -483,7 +504,9 @@ def report(results: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def run(out: Path, quick: bool, work: Path | None = None) -> dict:
+def run(
+    out: Path, quick: bool, work: Path | None = None, parallel: bool = False
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     work = work or out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -506,9 +529,9 @@ def run(out: Path, quick: bool, work: Path | None = None) -> dict:
     ref_causal = reference_answers(main, short_text, "causal")
     ref_bidir = reference_answers(main, short_text, "noncausal_full_attention")
 
-    command = "python -m vllm_d3.testing.validation run --out OUT" + (
-        " --quick" if quick else ""
-    )
+    command = "python -m vllm_d3.testing.validation run --out OUT"
+    command += " --quick" if quick else ""
+    command += " --parallel" if parallel else ""
 
     def save() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -520,15 +543,22 @@ def run(out: Path, quick: bool, work: Path | None = None) -> dict:
         }
 
     tables = results["tables"]
-    served = inprocess(main, text_sets, work, "prefix_bidir", long)
-    tables["prefix_bidir, in process (LLM.classify)"] = table(
-        ref, served["served"], text_sets
+    other_modes = ("causal", "noncausal_full_attention")
+    ref_modes = {
+        mode: reference_answers(checkpoints[mode], short_text, None)
+        for mode in other_modes
+    }
+    # In parallel, every engine gets a fifth of the GPU's memory.
+    memory = PARALLEL_MEMORY if parallel else None
+
+    def in_process(mode: str, names: dict) -> InProcess:
+        return InProcess(checkpoints[mode], names, work, mode, long, memory)
+
+    main_job = in_process("prefix_bidir", text_sets)
+    jobs = (
+        {mode: in_process(mode, short_text) for mode in other_modes} if parallel else {}
     )
-    tables["control: state size withheld (one block), in process"] = table(
-        ref, served["one block"], short_text
-    )
-    save()
-    http = run_http(main, sets, work, long)
+    http = run_http(main, sets, work, long, memory)
     results["http"] = {k: v for k, v in http.items() if k != "answers"}
     tables["prefix_bidir, HTTP /v1/systemone"] = table(ref, http["answers"], sets)
     tables["control: served vs reference causal mask"] = table(
@@ -538,11 +568,18 @@ def run(out: Path, quick: bool, work: Path | None = None) -> dict:
         ref_bidir, http["answers"], short_text
     )
     save()
-    for mode in ("causal", "noncausal_full_attention"):
-        ref_mode = reference_answers(checkpoints[mode], short_text, None)
-        got = inprocess(checkpoints[mode], short_text, work, mode, False)
+    served = main_job.result()
+    tables["prefix_bidir, in process (LLM.classify)"] = table(
+        ref, served["served"], text_sets
+    )
+    tables["control: state size withheld (one block), in process"] = table(
+        ref, served["one block"], short_text
+    )
+    save()
+    for mode in other_modes:
+        job = jobs.get(mode) or in_process(mode, short_text)
         tables[f"{mode} checkpoint, in process"] = table(
-            ref_mode, got["served"], short_text
+            ref_modes[mode], job.result()["served"], short_text
         )
         save()
     results["prefix_caching"] = prefix_caching_refused(main, work)
@@ -561,16 +598,24 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument(
         "--work", type=Path, help="checkpoints and logs (default OUT/work)"
     )
+    run_p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="run the vLLM engines at once, each with a fifth of the GPU memory",
+    )
     ip = sub.add_parser("inprocess")
     ip.add_argument("checkpoint")
     ip.add_argument("sets_file")
     ip.add_argument("out_file")
     ip.add_argument("--long", action="store_true")
+    ip.add_argument("--memory", type=float, help="gpu_memory_utilization")
     args = parser.parse_args(argv)
     if args.command == "inprocess":
-        run_inprocess(args.checkpoint, args.sets_file, args.out_file, args.long)
+        run_inprocess(
+            args.checkpoint, args.sets_file, args.out_file, args.long, args.memory
+        )
     else:
-        run(args.out, args.quick, args.work)
+        run(args.out, args.quick, args.work, args.parallel)
     return 0
 
 
