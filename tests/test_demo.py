@@ -10,16 +10,19 @@ import pytest
 import torch
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
-def test_demo_without_gpu(tmp_path):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
-        [sys.executable, "-m", "vllm_d3.cli", "demo", "--cache-dir", str(tmp_path)],
+def demo(cache_dir) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_d3.cli", "demo", "--cache-dir", str(cache_dir)],
         capture_output=True,
         text=True,
         timeout=300,
-        env=env,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
+def test_demo_without_gpu(tmp_path):
+    done = demo(tmp_path)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     notices = [line for line in out.splitlines() if "no CUDA GPU" in line]
@@ -45,11 +48,6 @@ def test_demo_without_gpu(tmp_path):
     }
     assert answers["urgency"].startswith("score=")
     # A second run reuses the cached checkpoint.
-    again = subprocess.run(
-        [sys.executable, "-m", "vllm_d3.cli", "demo", "--cache-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    again = demo(tmp_path)
+    assert again.returncode == 0, again.stderr
     assert "using the tiny prefix_bidir checkpoint" in again.stdout

@@ -1,0 +1,466 @@
+"""Benchmark vLLM + vllm-d3 against the reference runtime on D3 requests.
+
+``python -m benchmarks.d3 --out DIR [--smoke] [--rows PATTERNS] [--sides SIDES]
+[--repeats N] [--long-repeats N] [--warmup N] [--time-budget SECONDS] ...``
+
+Contract:
+- Default (GPU) mode: a weight-less d3-turbo package (the exact Qwen3.5-27B
+  shape) is written into ``WORK`` (default ``OUT/work``) unless ``--checkpoint``
+  names a package. The reference runtime, random-initialised in bf16 on CUDA,
+  runs first (in this process, at most ``--reference-share`` of the time
+  budget); then ``vllm serve`` with ``--load-format dummy`` (default flags
+  otherwise: the declared ``validated_length``) serves the short rows and the
+  throughput loads, and a second server with ``--max-model-len 131072`` the
+  long-state rows. A package with weights is loaded by both instead.
+- ``--smoke``: a tiny package and the reference in float32 on the CPU, one
+  request per row and no warm-up (the start-up request warms up), long states
+  scaled by ``SMOKE_STATE_SCALE``, 5 s throughput loads. Without CUDA
+  the vLLM rows read "not run (no CUDA)"; with CUDA vLLM serves the tiny
+  package too (a quick end-to-end check of the harness).
+- Latency rows: ``rows.LATENCY_ROWS``; throughput loads:
+  ``rows.THROUGHPUT_ROWS``. ``--rows`` keeps the ids matching any of its
+  comma-separated ``fnmatch`` patterns (``text-*,tput-*``).
+- ``--time-budget``: no row or load starts once it is spent, and a row stops
+  repeating when the time left is shorter than its last request; what was
+  skipped is listed in the results.
+- Writes ``OUT/results.json``, ``OUT/results.md``, ``OUT/serve-*.log`` (one
+  per server) and, when matplotlib is installed, ``OUT/latency_vs_state.png``.
+  Progress lines carry timestamps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
+
+from . import report
+from .reference_side import (
+    RandomInitRuntime,
+    has_weights,
+    run_reference,
+    token_accounting,
+)
+from .rows import (
+    MIXES,
+    POOL_OFFSET,
+    ROWS_BY_ID,
+    STARTUP_ROW,
+    THROUGHPUT_ROWS,
+    Load,
+    Row,
+    row_requests,
+    select,
+    words_per_token,
+)
+from .timing import Budget, log
+
+SMOKE_STATE_SCALE = 1 / 64
+LONG_MAX_MODEL_LEN = 131072
+#: d3-turbo declares it: vLLM's default max-model-len without a flag.
+VALIDATED_LENGTH = 32768
+SIDES = ("vllm", "reference")
+NOT_RUN_NO_CUDA = "not run (no CUDA)"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.d3", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, help="generated packages (OUT/work)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny package, reference on the CPU"
+    )
+    parser.add_argument("--checkpoint", type=Path, help="use this D3 package")
+    parser.add_argument(
+        "--rows", help="comma-separated fnmatch patterns of row ids (default: all)"
+    )
+    parser.add_argument(
+        "--sides",
+        default="vllm,reference",
+        help="comma-separated: vllm, reference (default: both)",
+    )
+    parser.add_argument("--repeats", type=int, help="timed requests per row (3)")
+    parser.add_argument(
+        "--long-repeats", type=int, help="for the long states (--repeats)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, help="untimed requests per row (1; smoke: 0)"
+    )
+    parser.add_argument("--time-budget", type=float, help="seconds (unlimited)")
+    parser.add_argument(
+        "--reference-share",
+        type=float,
+        default=0.4,
+        help="most of the budget the reference may use when vLLM runs too (0.4)",
+    )
+    parser.add_argument(
+        "--throughput-seconds", type=float, help="measured per load (30; smoke: 5)"
+    )
+    parser.add_argument(
+        "--throughput-warmup", type=float, help="unmeasured per load (5; smoke: 2)"
+    )
+    parser.add_argument(
+        "--max-requests", type=int, default=5000, help="cap per throughput load"
+    )
+    parser.add_argument(
+        "--pool", type=int, default=16, help="distinct requests per mix row"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    unknown = sorted(set(args.sides) - set(SIDES))
+    if unknown or not args.sides:
+        parser.error(f"--sides takes {', '.join(SIDES)}; got {args.sides}")
+    if args.repeats is None:
+        args.repeats = 1 if args.smoke else 3
+    if args.warmup is None:
+        # The start-up request warms the smoke run's tiny model up already.
+        args.warmup = 0 if args.smoke else 1
+    if args.throughput_seconds is None:
+        args.throughput_seconds = 5.0 if args.smoke else 30.0
+    if args.throughput_warmup is None:
+        args.throughput_warmup = 2.0 if args.smoke else 5.0
+    if args.long_repeats is None:
+        args.long_repeats = args.repeats
+    if min(args.repeats, args.long_repeats) < 1 or args.warmup < 0:
+        parser.error("--repeats and --long-repeats need >= 1, --warmup >= 0")
+    args.patterns = None if args.rows is None else args.rows.split(",")
+    return args
+
+
+def prepare_checkpoint(args: argparse.Namespace, work: Path) -> Path:
+    if args.checkpoint is not None:
+        return args.checkpoint
+    shape = "tiny" if args.smoke else "d3-turbo"
+    path = work / f"checkpoint-{shape}"
+    if not (path / "MODEL_MANIFEST.json").exists():
+        log(f"writing a weight-less {shape} D3 package")
+        write_tiny_checkpoint(
+            path,
+            vision=True,
+            shape=shape,
+            weights=False,
+            validated_length=None if args.smoke else VALIDATED_LENGTH,
+        )
+    return path
+
+
+def interleave(groups: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One request of each group in turn: the round-robin order of a mix."""
+    return [request for batch in zip(*groups, strict=True) for request in batch]
+
+
+def _environment() -> dict[str, Any]:
+    import transformers
+    import vllm
+
+    return {
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "cpu_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "vllm": vllm.__version__,
+    }
+
+
+def _reference_throughput(
+    mix: str, latency: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """One request at a time: the mix's requests over their summed p50s."""
+    rows = [latency.get(row_id) for row_id in MIXES[mix]]
+    if not all(r and r["reference"].get("status") == "ok" for r in rows):
+        return {"status": "not run (its latency rows were not all measured)"}
+    seconds = sum(r["reference"]["p50_s"] for r in rows if r)
+    return {
+        "status": "ok",
+        "requests_per_s": len(rows) / seconds,
+        "questions_per_s": sum(r["questions"] for r in rows if r) / seconds,
+        "one_at_a_time": True,
+    }
+
+
+def _run_vllm(
+    args: argparse.Namespace,
+    checkpoint: Path,
+    rows: list[Row],
+    loads: list[Load],
+    requests: dict[str, list[dict[str, Any]]],
+    startup_request: dict[str, Any],
+    *,
+    word_ratio: float,
+    state_scale: float,
+    budget: Budget,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The vLLM servers (by name), row results and load results."""
+    from .vllm_side import run_group
+
+    pools = {
+        mix: interleave(
+            [
+                row_requests(
+                    ROWS_BY_ID[row_id],
+                    args.pool,
+                    seed=args.seed,
+                    words_per_token=word_ratio,
+                    state_scale=state_scale,
+                    first_index=POOL_OFFSET,
+                )
+                for row_id in MIXES[mix]
+            ]
+        )
+        for mix in sorted({load.mix for load in loads})
+    }
+    # The smoke run's scaled long states fit the default server.
+    separate_long = not args.smoke
+    groups = [
+        ("default", [], [r for r in rows if not (separate_long and r.long)], loads),
+        (
+            "long",
+            ["--max-model-len", str(LONG_MAX_MODEL_LEN)],
+            [r for r in rows if separate_long and r.long],
+            [],
+        ),
+    ]
+    servers: dict[str, Any] = {}
+    row_results: dict[str, Any] = {}
+    load_results: dict[str, Any] = {}
+    for name, flags, group_rows, group_loads in groups:
+        if not group_rows and not group_loads:
+            continue
+        if budget.exhausted():
+            for row in group_rows:
+                row_results[row.id] = {"status": "skipped (time budget)"}
+            for load in group_loads:
+                load_results[load.id] = {"status": "skipped (time budget)"}
+            continue
+        servers[name] = run_group(
+            str(checkpoint),
+            name,
+            flags,
+            group_rows,
+            requests,
+            group_loads,
+            pools,
+            startup_request,
+            warmup=args.warmup,
+            budget=budget,
+            throughput={
+                "warmup_s": args.throughput_warmup,
+                "duration_s": args.throughput_seconds,
+                "max_requests": args.max_requests,
+            },
+            logs=args.out,
+        )
+        row_results.update(servers[name]["rows"])
+        load_results.update(servers[name]["loads"])
+    return servers, row_results, load_results
+
+
+def _latency_entry(
+    row: Row,
+    accounting: list[dict[str, Any]],
+    warmup: int,
+    vllm: dict[str, Any],
+    reference: dict[str, Any],
+) -> dict[str, Any]:
+    """One latency row of the results; its token counts are those of the first
+    timed request, ``requests`` has every request's."""
+    if vllm.get("status") == "ok":
+        expected = [a["tokens_vllm"] for a in accounting[warmup:]]
+        got = vllm["input_tokens"]
+        vllm["usage_matches_render"] = got == expected[: len(got)]
+    both = vllm.get("status") == "ok" and reference.get("status") == "ok"
+    timed = accounting[warmup]
+    return {
+        "id": row.id,
+        "label": row.label,
+        "questions": row.questions,
+        "media": row.media,
+        "long": row.long,
+        **{k: v for k, v in timed.items() if k != "prompt_lengths"},
+        "requests": accounting,
+        "vllm": vllm,
+        "reference": reference,
+        "ratio": vllm["p50_s"] / reference["p50_s"] if both else None,
+    }
+
+
+def _throughput_entry(
+    load: Load, vllm: dict[str, Any], latency: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    reference = _reference_throughput(load.mix, latency)
+    both = vllm.get("status") == "ok" and reference.get("status") == "ok"
+    return {
+        "id": load.id,
+        "mix": load.mix,
+        "mix_rows": list(MIXES[load.mix]),
+        "clients": load.clients,
+        "vllm": vllm,
+        "reference": reference,
+        "ratio": vllm["requests_per_s"] / reference["requests_per_s"] if both else None,
+    }
+
+
+def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    out: Path = args.out
+    work: Path = args.work or out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    budget = Budget(args.time_budget)
+    checkpoint = prepare_checkpoint(args, work)
+    weights = "weights loaded" if has_weights(checkpoint) else "random weights"
+    renderer = RandomInitRuntime(checkpoint, device="meta")
+    scale = SMOKE_STATE_SCALE if args.smoke else 1.0
+    word_ratio = words_per_token(renderer.tokenizer)
+    rows = [ROWS_BY_ID[i] for i in select(ROWS_BY_ID, args.patterns)]
+    load_ids = select([load.id for load in THROUGHPUT_ROWS], args.patterns)
+    loads = [load for load in THROUGHPUT_ROWS if load.id in load_ids]
+
+    log(f"building requests for {len(rows)} rows")
+    requests = {
+        row.id: row_requests(
+            row,
+            args.warmup + (args.long_repeats if row.long else args.repeats),
+            seed=args.seed,
+            words_per_token=word_ratio,
+            state_scale=scale,
+        )
+        for row in rows
+    }
+    startup_request = row_requests(
+        STARTUP_ROW, 1, seed=args.seed, words_per_token=word_ratio
+    )[0]
+    accounting = {
+        row_id: [token_accounting(renderer.render(r)) for r in batch]
+        for row_id, batch in requests.items()
+    }
+    log("requests rendered (tokens per request counted)")
+
+    run_vllm = "vllm" in args.sides and cuda
+    reference: dict[str, Any] = {"status": "not run (--sides)", "rows": {}}
+    ref_device = "cuda" if cuda and not args.smoke else "cpu"
+    ref_dtype = torch.bfloat16 if ref_device == "cuda" else torch.float32
+    if "reference" in args.sides:
+        log(f"reference on {ref_device} ({ref_dtype}), {weights}")
+        threads = torch.get_num_threads()
+        if args.smoke:
+            # The tiny model's matrices are too small to gain from threads.
+            torch.set_num_threads(1)
+        try:
+            reference = run_reference(
+                checkpoint,
+                rows,
+                requests,
+                startup_request,
+                device=ref_device,
+                dtype=ref_dtype,
+                warmup=args.warmup,
+                budget=budget.share(args.reference_share) if run_vllm else budget,
+                seed=args.seed,
+            )
+        finally:
+            torch.set_num_threads(threads)
+
+    servers: dict[str, Any] = {}
+    vllm_rows: dict[str, Any] = {}
+    vllm_loads: dict[str, Any] = {}
+    if run_vllm:
+        servers, vllm_rows, vllm_loads = _run_vllm(
+            args,
+            checkpoint,
+            rows,
+            loads,
+            requests,
+            startup_request,
+            word_ratio=word_ratio,
+            state_scale=scale,
+            budget=budget,
+        )
+    not_run = {"status": "not run (--sides)" if cuda else NOT_RUN_NO_CUDA}
+    latency = [
+        _latency_entry(
+            row,
+            accounting[row.id],
+            args.warmup,
+            vllm_rows.get(row.id, dict(not_run)),
+            reference["rows"].get(row.id, {"status": reference.get("status")}),
+        )
+        for row in rows
+    ]
+    by_id = {entry["id"]: entry for entry in latency}
+    throughput = [
+        _throughput_entry(load, vllm_loads.get(load.id, dict(not_run)), by_id)
+        for load in loads
+    ]
+    skipped = [
+        f"{entry['id']} ({side}): {entry[side]['status']}"
+        for entry in latency + throughput
+        for side in SIDES
+        if str(entry[side].get("status", "")).startswith("skipped")
+    ]
+    results = {
+        "mode": "smoke" if args.smoke else "full",
+        "command": command,
+        "environment": {
+            **_environment(),
+            "reference_gdn_kernels": reference.get("gdn_kernels"),
+        },
+        "settings": {
+            "shape": "tiny" if args.smoke else "d3-turbo",
+            "checkpoint": str(checkpoint),
+            "weights": weights,
+            "repeats": args.repeats,
+            "long_repeats": args.long_repeats,
+            "warmup": args.warmup,
+            "time_budget_s": args.time_budget,
+            "reference_share": args.reference_share,
+            "reference": f"{ref_device}, {str(ref_dtype).removeprefix('torch.')}",
+            "state_scale": scale,
+            "words_per_token": word_ratio,
+            "seed": args.seed,
+            "sides": args.sides,
+            "throughput": {
+                "warmup_s": args.throughput_warmup,
+                "duration_s": args.throughput_seconds,
+                "max_requests": args.max_requests,
+                "distinct_requests_per_row": args.pool,
+            },
+        },
+        "latency": latency,
+        "throughput": throughput,
+        "vllm_servers": servers,
+        "reference": {k: v for k, v in reference.items() if k != "rows"},
+        "skipped": skipped,
+    }
+    results["plot"] = report.plot(results, out / "latency_vs_state.png")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(report.markdown(results))
+    if skipped:
+        log(f"skipped: {'; '.join(skipped)}")
+    log(f"plot: {results['plot']}")
+    log(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    run(args, shlex.join(["python", "-m", "benchmarks.d3", *argv]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Time budget, progress lines and the warm-up-then-repeat timing loop.
+
+Contract:
+- ``log(message)`` prints one progress line with the wall-clock time and the
+  seconds since the run started.
+- ``Budget(seconds)`` is the run's time budget (``None``: unlimited).
+  ``exhausted()`` says whether no new row may start; ``share(fraction)`` is a
+  budget ending after ``fraction`` of what is left (for one phase of the run).
+- ``measure(call, requests, warmup=..., budget=...)`` calls ``call(request)``
+  on the first ``warmup`` requests untimed, then times each of the others.
+  Once the first timed call is done, another one starts only while the budget
+  has at least the previous call's duration left. It returns a ``Measurement``
+  (times, p50, what each call returned).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+_STARTED = time.perf_counter()
+
+
+def log(message: str) -> None:
+    elapsed = time.perf_counter() - _STARTED
+    print(f"[bench {time.strftime('%H:%M:%S')} +{elapsed:6.0f}s] {message}", flush=True)
+
+
+class Budget:
+    def __init__(self, seconds: float | None):
+        self.deadline = None if seconds is None else time.perf_counter() + seconds
+
+    def remaining(self) -> float:
+        if self.deadline is None:
+            return float("inf")
+        return self.deadline - time.perf_counter()
+
+    def exhausted(self) -> bool:
+        return self.remaining() <= 0
+
+    def share(self, fraction: float) -> Budget:
+        part = Budget(None)
+        if self.deadline is not None:
+            part.deadline = time.perf_counter() + fraction * max(0.0, self.remaining())
+        return part
+
+
+@dataclass
+class Measurement:
+    warmup_s: list[float] = field(default_factory=list)
+    times_s: list[float] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+
+    @property
+    def p50_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "p50_s": self.p50_s,
+            "times_s": self.times_s,
+            "warmup_s": self.warmup_s,
+            "repeats": len(self.times_s),
+        }
+
+
+def measure(
+    call: Callable[[dict[str, Any]], Any],
+    requests: list[dict[str, Any]],
+    *,
+    warmup: int,
+    budget: Budget,
+) -> Measurement:
+    if len(requests) <= warmup:
+        raise ValueError("measure needs at least one request beyond the warm-up")
+    result = Measurement()
+    for request in requests[:warmup]:
+        started = time.perf_counter()
+        call(request)
+        result.warmup_s.append(time.perf_counter() - started)
+    for request in requests[warmup:]:
+        if result.times_s and budget.remaining() < result.times_s[-1]:
+            break
+        started = time.perf_counter()
+        result.outputs.append(call(request))
+        result.times_s.append(time.perf_counter() - started)
+    return result

@@ -1,0 +1,300 @@
+"""vLLM's side of the D3 benchmark: ``vllm serve`` on loopback, over HTTP.
+
+Contract:
+- ``serve_flags(checkpoint, extra)``: the flags after the checkpoint.
+  ``--load-format dummy`` for a package without weights, and
+  ``--gdn-prefill-backend triton`` unless ``validation.Server`` already adds it.
+- ``run_group(...)`` starts one server (``validation.Server``), measures
+  start-up (process start to the first HTTP 200 of ``/v1/systemone``), the
+  latency rows one request at a time and the closed-loop loads, and stops it.
+  While the server lives, ``nvidia-smi`` is polled: the peak of
+  ``memory.used`` (summed over the GPUs) less its value before the start.
+  A row or load that fails is recorded as failed; a server that does not come
+  up fails every row of its group, with the end of its log.
+- ``closed_loop(url, pool, clients, ...)``: ``clients`` threads, each sending
+  the next request of ``pool`` (round robin) as soon as its previous one is
+  answered. Requests answered with 200 inside the measuring window (after
+  ``warmup_s``, for ``duration_s`` or until ``max_requests`` were sent) count.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from vllm_d3.testing import validation
+from vllm_d3.testing.validation import Server, post
+
+from .reference_side import has_weights
+from .rows import Load, Row, question_count
+from .timing import Budget, log, measure
+
+REQUEST_TIMEOUT_S = 1800
+SERVER_START_TIMEOUT_S = 900
+POLL_INTERVAL_S = 0.5
+#: Server log lines worth keeping: how vLLM split the GPU memory.
+MEMORY_LOG = re.compile(
+    r"model loading took|available kv cache memory|gpu kv cache size"
+    r"|maximum concurrency|cuda graph",
+    re.IGNORECASE,
+)
+
+
+def serve_flags(checkpoint: str, extra: list[str]) -> list[str]:
+    flags = [] if has_weights(checkpoint) else ["--load-format", "dummy"]
+    if "--gdn-prefill-backend" not in validation.SERVE_FLAGS:
+        flags += ["--gdn-prefill-backend", "triton"]
+    return flags + extra
+
+
+def gpu_memory_used_mib() -> float | None:
+    """``memory.used`` summed over the GPUs, or ``None`` without nvidia-smi."""
+    try:
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=memory.used",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(float(line) for line in out.split())
+
+
+class MemoryPoller:
+    """Polls ``gpu_memory_used_mib`` in a thread and keeps the peak."""
+
+    def __init__(self) -> None:
+        self.baseline_mib = gpu_memory_used_mib()
+        self.peak_mib = self.baseline_mib
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        if self.baseline_mib is not None:
+            self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(POLL_INTERVAL_S):
+            used = gpu_memory_used_mib()
+            if used is not None and (self.peak_mib is None or used > self.peak_mib):
+                self.peak_mib = used
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.baseline_mib is None or self.peak_mib is None:
+            return {"status": "not measured (no nvidia-smi)"}
+        return {
+            "status": "ok",
+            "peak_memory_gib": (self.peak_mib - self.baseline_mib) / 1024,
+            "peak_used_gib": self.peak_mib / 1024,
+            "baseline_gib": self.baseline_mib / 1024,
+        }
+
+
+def _systemone(url: str, request: dict[str, Any]) -> int:
+    """POST one request; its ``usage.input_tokens``, or raise on non-200."""
+    status, body = post(url + "/v1/systemone", request, timeout=REQUEST_TIMEOUT_S)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {json.dumps(body)[:300]}")
+    return int(body["usage"]["input_tokens"])
+
+
+def _served_max_model_len(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as reply:
+            models = json.loads(reply.read())["data"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return models[0].get("max_model_len") if models else None
+
+
+def _log_lines(path: Path, pattern: re.Pattern[str], limit: int) -> list[str]:
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").splitlines()
+    return [line.strip() for line in lines if pattern.search(line)][:limit]
+
+
+def _log_tail(path: Path, lines: int = 20) -> list[str]:
+    if not path.exists():
+        return []
+    return path.read_text(errors="replace").splitlines()[-lines:]
+
+
+def closed_loop(
+    url: str,
+    pool: list[dict[str, Any]],
+    clients: int,
+    *,
+    warmup_s: float,
+    duration_s: float,
+    max_requests: int,
+) -> dict[str, Any]:
+    lock = threading.Lock()
+    started = time.perf_counter()
+    window_start = started + warmup_s
+    window_end = window_start + duration_s
+    sent = 0
+    capped_at: float | None = None
+    answered: list[tuple[float, float, int]] = []  # (end, latency, questions)
+    errors: list[str] = []
+
+    def client() -> None:
+        nonlocal sent, capped_at
+        while True:
+            with lock:
+                now = time.perf_counter()
+                if sent >= max_requests and capped_at is None:
+                    capped_at = now
+                if now >= window_end or sent >= max_requests:
+                    return
+                request = pool[sent % len(pool)]
+                sent += 1
+            began = time.perf_counter()
+            try:
+                _systemone(url, request)
+            except Exception as error:  # counted, the load goes on
+                with lock:
+                    errors.append(f"{type(error).__name__}: {str(error)[:200]}")
+                continue
+            end = time.perf_counter()
+            with lock:
+                answered.append((end, end - began, question_count(request)))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    end = window_end if capped_at is None else min(window_end, capped_at)
+    counted = [a for a in answered if window_start <= a[0] <= end]
+    span = end - window_start
+    if span <= 0 or not counted:
+        return {
+            "status": "failed: no request answered inside the measuring window",
+            "errors": len(errors),
+            "first_errors": errors[:3],
+        }
+    latencies = sorted(a[1] for a in counted)
+    return {
+        "status": "ok",
+        "requests_per_s": len(counted) / span,
+        "questions_per_s": sum(a[2] for a in counted) / span,
+        "requests": len(counted),
+        "window_s": span,
+        "p50_latency_s": latencies[len(latencies) // 2],
+        "sent": sent,
+        "capped": capped_at is not None,
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "distinct_requests": len(pool),
+    }
+
+
+def run_group(
+    checkpoint: str,
+    name: str,
+    extra_flags: list[str],
+    rows: list[Row],
+    requests: dict[str, list[dict[str, Any]]],
+    loads: list[Load],
+    pools: dict[str, list[dict[str, Any]]],
+    startup_request: dict[str, Any],
+    *,
+    warmup: int,
+    budget: Budget,
+    throughput: dict[str, float],
+    logs: Path,
+) -> dict[str, Any]:
+    """One server: start-up, ``rows`` (warm-up requests first in
+    ``requests[row.id]``), then ``loads`` with ``pools[load.mix]``;
+    ``throughput`` holds ``warmup_s``, ``duration_s`` and ``max_requests``;
+    the server's log is ``logs/serve-NAME.log``."""
+    flags = serve_flags(checkpoint, extra_flags)
+    log_file = logs / f"serve-{name}.log"
+    result: dict[str, Any] = {
+        "flags": flags,
+        "command": ["vllm", "serve", checkpoint, *validation.SERVE_FLAGS, *flags],
+        "log": log_file.name,
+    }
+    rows_out: dict[str, Any] = {}
+    loads_out: dict[str, Any] = {}
+    result["rows"], result["loads"] = rows_out, loads_out
+    log(f"vLLM {name}: starting vllm serve {' '.join(flags)}")
+    poller = MemoryPoller()
+    started = time.perf_counter()
+    with Server(checkpoint, *flags, log_file=log_file) as server:
+        try:
+            if server.wait(timeout=SERVER_START_TIMEOUT_S) < 0:
+                raise RuntimeError("vllm serve exited")
+            _systemone(server.url, startup_request)
+            result["startup"] = {
+                "status": "ok",
+                "first_answer_s": time.perf_counter() - started,
+                "max_model_len": _served_max_model_len(server.url),
+            }
+        except Exception as error:
+            failure = f"failed: server start-up: {type(error).__name__}: {error}"
+            result["startup"] = {"status": failure, "log_tail": _log_tail(log_file)}
+            result["memory"] = poller.stop()
+            for row in rows:
+                rows_out[row.id] = {"status": failure}
+            for load in loads:
+                loads_out[load.id] = {"status": failure}
+            log(f"vLLM {name}: {failure}; see {log_file}")
+            return result
+        log(f"vLLM {name}: first answer {result['startup']['first_answer_s']:.0f}s")
+
+        def call(request: dict[str, Any]) -> int:
+            return _systemone(server.url, request)
+
+        for row in rows:
+            if budget.exhausted():
+                rows_out[row.id] = {"status": "skipped (time budget)"}
+                log(f"vLLM {name}: {row.id} skipped (time budget)")
+                continue
+            try:
+                timed = measure(call, requests[row.id], warmup=warmup, budget=budget)
+            except Exception as error:  # one row failing must not end the run
+                rows_out[row.id] = {
+                    "status": f"failed: {type(error).__name__}: {str(error)[:300]}"
+                }
+                log(f"vLLM {name}: {row.id} {rows_out[row.id]['status']}")
+                continue
+            rows_out[row.id] = {**timed.summary(), "input_tokens": timed.outputs}
+            log(f"vLLM {name}: {row.id} p50 {timed.p50_s * 1e3:.1f} ms")
+        for load in loads:
+            if budget.exhausted():
+                loads_out[load.id] = {"status": "skipped (time budget)"}
+                log(f"vLLM {name}: {load.id} skipped (time budget)")
+                continue
+            loads_out[load.id] = closed_loop(
+                server.url,
+                pools[load.mix],
+                load.clients,
+                warmup_s=throughput["warmup_s"],
+                duration_s=throughput["duration_s"],
+                max_requests=int(throughput["max_requests"]),
+            )
+            outcome = loads_out[load.id]
+            shown = (
+                f"{outcome['requests_per_s']:.2f} req/s"
+                if outcome["status"] == "ok"
+                else outcome["status"]
+            )
+            log(f"vLLM {name}: {load.id} {shown}")
+        result["memory"] = poller.stop()
+    result["memory_log"] = _log_lines(log_file, MEMORY_LOG, limit=12)
+    return result

@@ -1,0 +1,273 @@
+"""Tests of the D3 benchmark harness (``benchmarks``), CPU only.
+
+The smoke mode runs for real once per module (a tiny weight-less package, the
+reference runtime random-initialised on the CPU); the vLLM side's HTTP code
+runs against a stub ``/v1/systemone`` server standing in for ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import d3, vllm_side
+from benchmarks.reference_side import RandomInitRuntime
+from benchmarks.rows import (
+    LATENCY_ROWS,
+    ROWS_BY_ID,
+    THROUGHPUT_ROWS,
+    Load,
+    row_requests,
+    select,
+)
+from benchmarks.timing import Budget
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench") / "smoke"
+    assert d3.main(["--smoke", "--out", str(out)]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_smoke_measures_every_row_on_the_reference(smoke):
+    _, results = smoke
+    assert results["mode"] == "smoke"
+    assert [r["id"] for r in results["latency"]] == [r.id for r in LATENCY_ROWS]
+    for row in results["latency"]:
+        assert row["reference"]["status"] == "ok", row["id"]
+        assert row["reference"]["p50_s"] > 0
+        assert row["reference"]["repeats"] == 1
+    assert results["reference"]["startup"]["first_answer_s"] > 0
+    assert [t["id"] for t in results["throughput"]] == [t.id for t in THROUGHPUT_ROWS]
+    for load in results["throughput"]:
+        assert load["reference"]["status"] == "ok"
+        assert load["reference"]["one_at_a_time"] is True
+        assert load["reference"]["requests_per_s"] > 0
+    assert results["skipped"] == []
+
+
+@pytest.mark.skipif(CUDA, reason="vLLM runs where CUDA is available")
+def test_smoke_marks_vllm_not_run_without_cuda(smoke):
+    _, results = smoke
+    for entry in results["latency"] + results["throughput"]:
+        assert entry["vllm"] == {"status": "not run (no CUDA)"}
+        assert entry["ratio"] is None
+    assert results["vllm_servers"] == {}
+
+
+def test_smoke_writes_the_markdown_table_and_plot(smoke):
+    out, results = smoke
+    text = (out / "results.md").read_text()
+    assert "| row | questions | state tokens | vLLM p50 (ms) |" in text
+    assert "| vLLM / reference |" in text
+    for row in LATENCY_ROWS:
+        assert f"| {row.label} |" in text
+    if not CUDA:
+        assert "not run (no CUDA)" in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert results["plot"].startswith("skipped")
+    else:
+        assert results["plot"] == "latency_vs_state.png"
+        assert (out / "latency_vs_state.png").stat().st_size > 0
+
+
+def test_smoke_counts_tokens_per_request(smoke):
+    """vLLM reads the state once per question (the sum of the prompt lengths);
+    the reference's state_once path reads it once: s + sum(n_i - s)."""
+    out, results = smoke
+    settings = results["settings"]
+    renderer = RandomInitRuntime(settings["checkpoint"], device="meta")
+    for row in results["latency"]:
+        requests = row_requests(
+            ROWS_BY_ID[row["id"]],
+            len(row["requests"]),
+            seed=settings["seed"],
+            words_per_token=settings["words_per_token"],
+            state_scale=settings["state_scale"],
+        )
+        for request, counted in zip(requests, row["requests"], strict=True):
+            rendered = renderer.render(request)
+            s = rendered[0].state_tokens
+            lengths = [len(r.token_ids) for r in rendered]
+            assert counted["state_tokens"] == s
+            assert counted["tokens_vllm"] == sum(lengths)
+            assert counted["tokens_reference"] == s + sum(n - s for n in lengths)
+            assert counted["state_reads_vllm"] == len(rendered)
+        if row["questions"] > 1:
+            assert row["tokens_vllm"] > row["tokens_reference"]
+        else:
+            assert row["tokens_vllm"] == row["tokens_reference"]
+
+
+def test_smoke_scales_the_long_states(smoke):
+    _, results = smoke
+    long = {r["id"]: r["state_tokens"] for r in results["latency"] if r["long"]}
+    scale = results["settings"]["state_scale"]
+    for row_id, tokens in long.items():
+        target = ROWS_BY_ID[row_id].state_tokens * scale
+        assert 0.8 * target < tokens < 1.3 * target + 200, (row_id, tokens)
+
+
+def test_time_budget_skips_rows_and_says_so(smoke, tmp_path):
+    out, _ = smoke
+    argv = ["--smoke", "--out", str(tmp_path), "--work", str(out / "work")]
+    argv += ["--rows", "text-1,tput-text-8", "--time-budget", "0"]
+    argv += ["--sides", "reference"]
+    d3.main(argv)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["id"] for r in results["latency"]] == ["text-1"]
+    assert results["latency"][0]["reference"] == {"status": "skipped (time budget)"}
+    assert results["skipped"] == ["text-1 (reference): skipped (time budget)"]
+    assert (
+        "text-1 (reference): skipped (time budget)"
+        in (tmp_path / "results.md").read_text()
+    )
+
+
+def test_select_matches_patterns():
+    ids = [r.id for r in LATENCY_ROWS]
+    assert select(ids, None) == ids
+    assert select(ids, ["state-*"]) == ["state-24k", "state-64k", "state-117k"]
+    assert select(ids, ["text-1", "photo-8"]) == ["text-1", "photo-8"]
+
+
+def test_requests_are_distinct_and_reproducible():
+    row = ROWS_BY_ID["text-4"]
+    first = row_requests(row, 3, seed=0, words_per_token=1.0)
+    assert first == row_requests(row, 3, seed=0, words_per_token=1.0)
+    assert len({json.dumps(r) for r in first}) == 3
+    assert all(len(r["questions"]) == 4 for r in first)
+
+
+# -------------------------------------------------------- vLLM side, stubbed
+
+
+class _StubHandler(BaseHTTPRequestHandler):
+    """Answers like /v1/systemone: 100 input tokens per question."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _reply(self, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._reply({"data": [{"max_model_len": 4096}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        tokens = 100 * len(body["questions"])
+        self._reply({"answers": [], "usage": {"input_tokens": tokens}})
+
+
+class _StubServer:
+    """Stands in for ``validation.Server``: the stub on loopback."""
+
+    def __init__(self, checkpoint: str, *flags: str, log_file: Path):
+        log_file.write_text("INFO Model loading took 1.0 GiB\n")
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _StubHandler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def wait(self, timeout: float) -> float:
+        return 0.0
+
+    def __enter__(self) -> _StubServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_vllm_group_over_http(monkeypatch, tmp_path):
+    monkeypatch.setattr(vllm_side, "Server", _StubServer)
+    rows = [ROWS_BY_ID["text-1"], ROWS_BY_ID["text-4"]]
+    requests = {
+        row.id: row_requests(row, 3, seed=0, words_per_token=1.0) for row in rows
+    }
+    pool = requests["text-1"] + requests["text-4"]
+    result = vllm_side.run_group(
+        str(tmp_path),
+        "default",
+        [],
+        rows,
+        requests,
+        [Load("tput-text-8", "text", 8)],
+        {"text": pool},
+        requests["text-1"][0],
+        warmup=1,
+        budget=Budget(None),
+        throughput={"warmup_s": 0.2, "duration_s": 0.5, "max_requests": 10_000},
+        logs=tmp_path,
+    )
+    assert result["flags"][:2] == ["--load-format", "dummy"]  # no weights here
+    assert result["startup"]["status"] == "ok"
+    assert result["startup"]["max_model_len"] == 4096
+    assert result["rows"]["text-1"]["input_tokens"] == [100, 100]
+    assert result["rows"]["text-4"]["input_tokens"] == [400, 400]
+    assert result["rows"]["text-4"]["repeats"] == 2
+    load = result["loads"]["tput-text-8"]
+    assert load["status"] == "ok" and load["errors"] == 0
+    assert load["requests_per_s"] > 0
+    assert load["requests_per_s"] <= load["questions_per_s"]
+    assert load["questions_per_s"] <= 4 * load["requests_per_s"]
+    assert result["memory_log"] == ["INFO Model loading took 1.0 GiB"]
+
+
+def test_closed_loop_stops_at_the_request_cap(monkeypatch, tmp_path):
+    with _StubServer("", log_file=tmp_path / "log") as server:
+        pool = row_requests(ROWS_BY_ID["text-1"], 2, seed=0, words_per_token=1.0)
+        load = vllm_side.closed_loop(
+            server.url, pool, 4, warmup_s=0.0, duration_s=30.0, max_requests=20
+        )
+    assert load["status"] == "ok"
+    assert load["capped"] is True
+    assert load["sent"] == 20
+    assert load["requests"] <= 20
+
+
+def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
+    """The orchestration as on a CUDA machine: vLLM rows, loads, ratios and the
+    report, with the stub standing in for ``vllm serve``."""
+    out, _ = smoke
+    monkeypatch.setattr(vllm_side, "Server", _StubServer)
+    monkeypatch.setattr(d3.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(d3, "_environment", lambda: {"gpu": "stub"})
+    argv = ["--smoke", "--out", str(tmp_path), "--work", str(out / "work")]
+    argv += ["--rows", "text-1,text-4,state-24k,tput-text-8"]
+    argv += ["--throughput-seconds", "0.5", "--throughput-warmup", "0.1"]
+    d3.main(argv)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["vllm_servers"]) == ["default"]
+    for row in results["latency"]:
+        assert row["vllm"]["status"] == "ok"
+        assert row["ratio"] == pytest.approx(
+            row["vllm"]["p50_s"] / row["reference"]["p50_s"]
+        )
+        # The stub's usage (100 tokens a question) is not the rendered count.
+        assert row["vllm"]["usage_matches_render"] is False
+    (load,) = results["throughput"]
+    assert load["vllm"]["status"] == "ok" and load["vllm"]["requests_per_s"] > 0
+    # Three of the text mix's five rows were left out by --rows.
+    assert load["reference"]["status"].startswith("not run")
+    assert load["ratio"] is None
+    text = (tmp_path / "results.md").read_text()
+    assert "(usage.input_tokens [100])" in text
+    assert "default server (`--gdn-prefill-backend triton --load-format" in text
