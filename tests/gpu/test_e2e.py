@@ -4,6 +4,7 @@ One command on any CUDA machine with vLLM 0.33.0 and this package installed:
 
     pytest -m gpu tests/gpu            # quick sets (one request each, no long states)
     VLLM_D3_FULL_VALIDATION=1 pytest -m gpu tests/gpu   # + 24K and 64K-token states
+    VLLM_D3_VALIDATION_DTYPE=float32 pytest -m gpu tests/gpu   # serve in float32
 
 The run (``vllm_d3.testing.validation``) also writes ``results.json`` and
 ``validation.md`` under ``VLLM_D3_VALIDATION_OUT`` (default: a pytest temp dir).
@@ -44,7 +45,8 @@ def results(tmp_path_factory):
     out_dir = Path(out) if out else tmp_path_factory.mktemp("validation")
     quick = os.environ.get("VLLM_D3_FULL_VALIDATION") != "1"
     work = tmp_path_factory.mktemp("work")
-    return run(out_dir, quick=quick, work=work, parallel=True)
+    dtype = os.environ.get("VLLM_D3_VALIDATION_DTYPE")
+    return run(out_dir, quick=quick, work=work, parallel=True, dtype=dtype)
 
 
 @pytest.mark.parametrize("table", SERVED)

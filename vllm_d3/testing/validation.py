@@ -17,8 +17,11 @@ bundle, ``--max-model-len 131072`` for the long states):
 - the causal and noncausal checkpoints in process against their own mode.
 
 It writes ``DIR/results.json`` and ``DIR/validation.md`` (generated from the run,
-with the GPU, versions and command). Each vLLM instance runs in a subprocess of
-this module (``inprocess``) or as a server, one at a time.
+with the GPU, versions and command; ``report`` rewrites the markdown from a
+``results.json``). Each vLLM instance runs in a subprocess of this module
+(``inprocess``) or as a server: one at a time, or at once with ``--parallel``
+(each with a fifth of the GPU's memory). ``--dtype float32`` serves in float32,
+which takes bf16 rounding out of the comparison with the float32 reference.
 """
 
 import argparse
@@ -147,7 +150,11 @@ def _answer_from_logits(
 
 
 def run_inprocess(
-    checkpoint: str, sets_file: str, out_file: str, long: bool, memory: float | None
+    checkpoint: str,
+    sets_file: str,
+    out_file: str,
+    long: bool,
+    engine_args: dict[str, Any],
 ) -> None:
     """LLM.classify over the reference-rendered prompts of every text set, with
     and without (one whole-prompt block) the state sizes."""
@@ -163,8 +170,7 @@ def run_inprocess(
     schedule = temperature_schedule_of(decision)
     prefix_bidir = decision.get("attention_mode") == "prefix_bidir"
     kwargs: dict[str, Any] = {"model": checkpoint, "gdn_prefill_backend": "triton"}
-    if memory is not None:
-        kwargs["gpu_memory_utilization"] = memory
+    kwargs.update(engine_args)
     if long:
         kwargs["max_model_len"] = LONG_MAX_MODEL_LEN
     started = time.time()
@@ -228,7 +234,7 @@ class InProcess:
         work: Path,
         tag: str,
         long: bool,
-        memory: float | None,
+        engine_args: dict[str, Any],
     ):
         sets_file = work / f"{tag}-sets.json"
         self.out_file = work / f"{tag}-inprocess.json"
@@ -236,7 +242,7 @@ class InProcess:
         command = [sys.executable, "-m", "vllm_d3.testing.validation", "inprocess"]
         command += [checkpoint, str(sets_file), str(self.out_file)]
         command += ["--long"] if long else []
-        command += [] if memory is None else ["--memory", str(memory)]
+        command += [f"--engine-arg={k}={json.dumps(v)}" for k, v in engine_args.items()]
         self.process = subprocess.Popen(command)
 
     def result(self) -> dict:
@@ -346,12 +352,16 @@ def bad_inputs(
 
 
 def run_http(
-    checkpoint: str, sets: dict, work: Path, long: bool, memory: float | None
+    checkpoint: str, sets: dict, work: Path, long: bool, engine_args: dict[str, Any]
 ) -> dict:
     flags = ["--max-model-len", str(LONG_MAX_MODEL_LEN)] if long else []
-    memory_flags = [] if memory is None else ["--gpu-memory-utilization", str(memory)]
+    engine_flags = [
+        part
+        for key, value in engine_args.items()
+        for part in (f"--{key.replace('_', '-')}", str(value))
+    ]
     with Server(
-        checkpoint, *flags, *memory_flags, log_file=work / "serve.log"
+        checkpoint, *flags, *engine_flags, log_file=work / "serve.log"
     ) as server:
         up = server.wait()
         if up < 0:
@@ -531,7 +541,11 @@ def report(results: dict, command: str) -> str:
 
 
 def run(
-    out: Path, quick: bool, work: Path | None = None, parallel: bool = False
+    out: Path,
+    quick: bool,
+    work: Path | None = None,
+    parallel: bool = False,
+    dtype: str | None = None,
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     work = work or out / "work"
@@ -558,6 +572,7 @@ def run(
     command = "python -m vllm_d3.testing.validation run --out OUT"
     command += " --quick" if quick else ""
     command += " --parallel" if parallel else ""
+    command += f" --dtype {dtype}" if dtype else ""
 
     def save() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -574,17 +589,22 @@ def run(
         mode: reference_answers(checkpoints[mode], short_text, None)
         for mode in other_modes
     }
-    # In parallel, every engine gets a fifth of the GPU's memory.
-    memory = PARALLEL_MEMORY if parallel else None
+    # The options a user would pass: in parallel, every engine gets a fifth of
+    # the GPU's memory; --dtype float32 takes bf16 rounding out of the check.
+    engine_args: dict[str, Any] = {}
+    if parallel:
+        engine_args["gpu_memory_utilization"] = PARALLEL_MEMORY
+    if dtype:
+        engine_args["dtype"] = dtype
 
     def in_process(mode: str, names: dict) -> InProcess:
-        return InProcess(checkpoints[mode], names, work, mode, long, memory)
+        return InProcess(checkpoints[mode], names, work, mode, long, engine_args)
 
     main_job = in_process("prefix_bidir", text_sets)
     jobs = (
         {mode: in_process(mode, short_text) for mode in other_modes} if parallel else {}
     )
-    http = run_http(main, sets, work, long, memory)
+    http = run_http(main, sets, work, long, engine_args)
     results["http"] = {k: v for k, v in http.items() if k != "answers"}
     tables["prefix_bidir, HTTP /v1/systemone"] = table(ref, http["answers"], sets)
     tables["control: served vs reference causal mask"] = table(
@@ -625,6 +645,9 @@ def main(argv: list[str] | None = None) -> int:
         "--work", type=Path, help="checkpoints and logs (default OUT/work)"
     )
     run_p.add_argument(
+        "--dtype", help="serve in this dtype (e.g. float32) instead of the model's"
+    )
+    run_p.add_argument(
         "--parallel",
         action="store_true",
         help="run the vLLM engines at once, each with a fifth of the GPU memory",
@@ -638,17 +661,27 @@ def main(argv: list[str] | None = None) -> int:
     ip.add_argument("sets_file")
     ip.add_argument("out_file")
     ip.add_argument("--long", action="store_true")
-    ip.add_argument("--memory", type=float, help="gpu_memory_utilization")
+    ip.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        help="KEY=JSON, an LLM keyword argument",
+    )
     args = parser.parse_args(argv)
     if args.command == "report":
         results = json.loads(args.results.read_text())
         args.out.write_text(report(results, args.run_command))
     elif args.command == "inprocess":
+        engine_args = dict(arg.split("=", 1) for arg in args.engine_arg)
         run_inprocess(
-            args.checkpoint, args.sets_file, args.out_file, args.long, args.memory
+            args.checkpoint,
+            args.sets_file,
+            args.out_file,
+            args.long,
+            {key: json.loads(value) for key, value in engine_args.items()},
         )
     else:
-        run(args.out, args.quick, args.work, args.parallel)
+        run(args.out, args.quick, args.work, args.parallel, args.dtype)
     return 0
 
 
