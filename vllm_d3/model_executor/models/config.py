@@ -23,7 +23,6 @@ from vllm.model_executor.models import config as upstream
 from vllm_d3 import installed_hooks
 
 from .d3_contract import (
-    PREFIX_BIDIR,
     attention_mode_of,
     check_decision_fields,
     is_prefix_bidir,
@@ -73,7 +72,8 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
     @staticmethod
     def verify_and_update_model_config(model_config: "ModelConfig") -> None:
         decision = _decision_of(model_config)
-        if decision is None or not is_prefix_bidir(decision):
+        if not is_prefix_bidir(decision):
+            # 0.33.0's contract, which refuses a package without decision_config.
             upstream.D3ForSequenceClassificationConfig.verify_and_update_model_config(
                 model_config
             )
@@ -97,8 +97,7 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
                     "D3 prefix_bidir needs is_mm_prefix_lm; the vllm-d3 checkpoint "
                     "detection did not run (is the plugin loaded in this process?)"
                 )
-        if decision is None:
-            return
+        assert decision is not None
         check_decision_fields(decision)
         # The plugin's own line may precede the process's logging set-up.
         logger.info(
@@ -113,8 +112,7 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
     @staticmethod
     def verify_and_update_config(vllm_config: "VllmConfig") -> None:
         upstream.D3ForSequenceClassificationConfig.verify_and_update_config(vllm_config)
-        decision = _decision_of(vllm_config.model_config)
-        if decision is None or attention_mode_of(decision) != PREFIX_BIDIR:
+        if not is_prefix_bidir(_decision_of(vllm_config.model_config)):
             return
         if not vllm_config.use_v2_model_runner:
             raise ValueError(

@@ -16,7 +16,7 @@ is ignored or clamped.
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 PREFIX_BIDIR = "prefix_bidir"
 ATTENTION_MODES = ("causal", "noncausal_full_attention", PREFIX_BIDIR)
@@ -35,7 +35,7 @@ def attention_mode_of(decision: Mapping[str, Any]) -> str:
     return decision.get("attention_mode", "causal")
 
 
-def is_prefix_bidir(decision: Any) -> bool:
+def is_prefix_bidir(decision: Any) -> TypeGuard[Mapping[str, Any]]:
     return isinstance(decision, Mapping) and attention_mode_of(decision) == PREFIX_BIDIR
 
 
