@@ -44,17 +44,20 @@ image and video placeholders in list order before the text, and after the
 assistant header ``<think>\\n\\n</think>\\n\\n`` when ``enable_thinking=False``
 (``<think>\\n`` otherwise).
 
-Weights are drawn from ``torch.Generator`` seeded with ``seed``, tensor by tensor
-in state-dict order: unit-variance embeddings, fan-in scaled projections, norm
-scales near 1, Gated DeltaNet ``A_log = log(U(1, 16))`` and ``dt_bias`` near 1,
-and, so that the readout depends on the context and on the attention mask,
-sharper full attention (query/key norm scale ``ATTENTION_QK_NORM_SCALE``) with a
-stronger output (``ATTENTION_OUTPUT_GAIN``). The readout rows are N(0, 1) from
-a second stream, scaled so one logit's std is about ``READOUT_LOGIT_STD``; for
-``"tiny"`` they are also made orthogonal to the last hidden state that every D3
-prompt shares (measured on a few reference prompts with the backbone in float32
-on one thread, then rounded), because all prompts end with the same tokens. The
-same arguments give byte-identical files.
+Weights are drawn from ``torch.Generator`` seeded with ``seed``, tensor by
+tensor in state-dict order: unit-variance embeddings, fan-in scaled projections,
+norm scales near 1, Gated DeltaNet ``A_log = log(U(1, 16))`` and ``dt_bias``
+near 1, and, so that the readout depends on the context and on the attention
+mask, sharper full attention (query/key norm scale ``ATTENTION_QK_NORM_SCALE``)
+with a stronger output (``ATTENTION_OUTPUT_GAIN``,
+``FIRST_ATTENTION_OUTPUT_GAIN`` for the first full-attention layer), while the
+Gated DeltaNet and MLP outputs are damped (``SUBLAYER_OUTPUT_GAIN``) so their
+bf16 rounding stays small. The readout rows are N(0, 1) from a second stream,
+scaled so one logit's std is about ``READOUT_LOGIT_STD``; for ``"tiny"`` they
+are also made orthogonal to the last hidden state that every D3 prompt shares
+(measured on a few reference prompts with the backbone in float32 on one thread,
+then rounded), because all prompts end with the same tokens. The same arguments
+give byte-identical files.
 
 CLI: ``python -m vllm_d3.testing.tiny_checkpoint OUT [--attention-mode MODE]
 [--vision] [--shape tiny|d3-turbo] [--validated-length N] [--seed S]
@@ -124,6 +127,16 @@ READOUT_LOGIT_STD = 0.7
 #: a milder scale with a stronger output keeps the mask's effect and less noise.
 ATTENTION_QK_NORM_SCALE = 1.5
 ATTENTION_OUTPUT_GAIN = 8.0
+#: Output gain of the first full-attention layer. The pooled last token sees
+#: the whole prompt under every mode, so a layer's mask changes the readout only
+#: through the other tokens' states that later layers read: the first
+#: full-attention layer writes most of what the mask changes.
+FIRST_ATTENTION_OUTPUT_GAIN = 12.0
+#: Gain of the Gated DeltaNet and MLP output projections. Their bf16 rounding
+#: error enters the residual stream in proportion to their output, and the
+#: full-attention layers amplify it; small, they leave the mask's effect and
+#: carry less noise.
+SUBLAYER_OUTPUT_GAIN = 0.3
 #: Backbone tensors are split into shards of at most this many bytes.
 MAX_SHARD_BYTES = 4 * 1024**3
 SYSTEM_PROMPT = (
@@ -595,6 +608,7 @@ def _draw(
     from transformers.models.qwen3_5.modeling_qwen3_5 import (
         Qwen3_5Attention,
         Qwen3_5GatedDeltaNet,
+        Qwen3_5MLP,
         Qwen3_5RMSNorm,
         Qwen3_5RMSNormGated,
     )
@@ -620,7 +634,18 @@ def _draw(
         return normal(1.0)
     if param == "bias":
         return normal(0.02)
-    gain = ATTENTION_OUTPUT_GAIN if module is getattr(owner, "o_proj", None) else 1.0
+    gain = 1.0
+    if isinstance(owner, Qwen3_5Attention) and module is owner.o_proj:
+        layer_types: list[str] = owner.config.layer_types
+        first = owner.layer_idx == layer_types.index("full_attention")
+        gain = FIRST_ATTENTION_OUTPUT_GAIN if first else ATTENTION_OUTPUT_GAIN
+    elif (
+        isinstance(owner, Qwen3_5GatedDeltaNet)
+        and module is owner.out_proj
+        or isinstance(owner, Qwen3_5MLP)
+        and module is owner.down_proj
+    ):
+        gain = SUBLAYER_OUTPUT_GAIN
     return normal(gain / math.sqrt(math.prod(shape[1:])))
 
 
