@@ -28,6 +28,7 @@ from vllm.v1.engine.input_processor import InputProcessor
 
 from .model_executor.models.d3_contract import (
     STATE_TOKENS_KEY,
+    decision_config_of,
     is_prefix_bidir,
     state_tokens_of,
 )
@@ -36,7 +37,7 @@ _MARK = "__vllm_d3_patch__"
 
 
 def _serves_prefix_bidir(model_config: Any) -> bool:
-    return is_prefix_bidir(getattr(model_config.hf_config, "decision_config", None))
+    return is_prefix_bidir(decision_config_of(model_config.hf_config))
 
 
 def _with_state_tokens(params: Any, value: Any) -> Any:

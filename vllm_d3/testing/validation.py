@@ -26,7 +26,6 @@ which takes bf16 rounding out of the comparison with the float32 reference.
 
 import argparse
 import json
-import math
 import platform
 import socket
 import subprocess
@@ -136,10 +135,10 @@ def _answer_from_logits(
         names = [str(i) for i in range(len(criteria))]
     else:
         names = list(criteria)
-    scaled = [v / temperature for v in logits[: len(names)]]
-    top = max(scaled)
-    weights = [math.exp(v - top) for v in scaled]
-    probs = [w / sum(weights) for w in weights]
+    # The softmax 0.33.0's read strategies apply to a question's own codes.
+    from vllm.entrypoints.openai.decisions.question_types import label_softmax
+
+    probs = label_softmax([v / temperature for v in logits[: len(names)]])
     if kind == "noul":
         return {
             "type": "noul",
@@ -161,14 +160,17 @@ def run_inprocess(
     from vllm import LLM, PoolingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_d3.model_executor.models.d3_contract import temperature_schedule_of
+    from vllm_d3.model_executor.models.d3_contract import (
+        is_prefix_bidir,
+        temperature_schedule_of,
+    )
     from vllm_d3.reference import ReferenceRuntime
 
     sets = json.loads(Path(sets_file).read_text())
     renderer = ReferenceRuntime(checkpoint, device="cpu")
     decision = json.loads((Path(checkpoint) / "decision_config.json").read_text())
     schedule = temperature_schedule_of(decision)
-    prefix_bidir = decision.get("attention_mode") == "prefix_bidir"
+    prefix_bidir = is_prefix_bidir(decision)
     kwargs: dict[str, Any] = {"model": checkpoint, "gdn_prefill_backend": "triton"}
     kwargs.update(engine_args)
     if long:

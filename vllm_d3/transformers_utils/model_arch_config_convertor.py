@@ -12,11 +12,14 @@ from vllm.transformers_utils.model_arch_config_convertor import (
     Qwen3_5ModelArchConfigConvertor,
 )
 
-from ..model_executor.models.d3_contract import is_prefix_bidir
+from ..model_executor.models.d3_contract import (
+    decision_config_of,
+    is_prefix_bidir,
+)
 
 
 class D3Qwen3_5ModelArchConfigConvertor(Qwen3_5ModelArchConfigConvertor):
     def is_mm_prefix_lm(self, supports_multimodal: bool = True) -> bool:
-        if is_prefix_bidir(getattr(self.hf_config, "decision_config", None)):
+        if is_prefix_bidir(decision_config_of(self.hf_config)):
             return True
         return super().is_mm_prefix_lm(supports_multimodal)

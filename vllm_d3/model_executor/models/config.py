@@ -25,6 +25,7 @@ from vllm_d3 import installed_hooks
 from .d3_contract import (
     attention_mode_of,
     check_decision_fields,
+    decision_config_of,
     is_prefix_bidir,
     validated_length_of,
 )
@@ -34,11 +35,6 @@ if TYPE_CHECKING:
 
 # Under the "vllm" logger, so that it shares vLLM's handlers and level.
 logger = init_logger(f"vllm.{__name__}")
-
-
-def _decision_of(model_config: "ModelConfig") -> dict | None:
-    decision = getattr(model_config.hf_config, "decision_config", None)
-    return decision if isinstance(decision, dict) else None
 
 
 def _apply_validated_length(model_config: "ModelConfig", validated_length: int) -> None:
@@ -71,7 +67,7 @@ def _apply_validated_length(model_config: "ModelConfig", validated_length: int) 
 class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConfig):
     @staticmethod
     def verify_and_update_model_config(model_config: "ModelConfig") -> None:
-        decision = _decision_of(model_config)
+        decision = decision_config_of(model_config.hf_config)
         if not is_prefix_bidir(decision):
             # 0.33.0's contract, which refuses a package without decision_config.
             upstream.D3ForSequenceClassificationConfig.verify_and_update_model_config(
@@ -112,7 +108,7 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
     @staticmethod
     def verify_and_update_config(vllm_config: "VllmConfig") -> None:
         upstream.D3ForSequenceClassificationConfig.verify_and_update_config(vllm_config)
-        if not is_prefix_bidir(_decision_of(vllm_config.model_config)):
+        if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
             return
         if not vllm_config.use_v2_model_runner:
             raise ValueError(

@@ -12,7 +12,7 @@ state exactly as in 0.33.0.
 from vllm.config import VllmConfig
 from vllm.model_executor.models import d3 as upstream
 
-from .d3_contract import is_prefix_bidir
+from .d3_contract import decision_config_of, is_prefix_bidir
 
 
 def _prefix_bidir_model_state_cls() -> type:
@@ -28,6 +28,5 @@ def _prefix_bidir_model_state_cls() -> type:
 class D3ForSequenceClassification(upstream.D3ForSequenceClassification):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        decision = getattr(vllm_config.model_config.hf_config, "decision_config", None)
-        if is_prefix_bidir(decision):
+        if is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
             self.get_model_state_cls = _prefix_bidir_model_state_cls

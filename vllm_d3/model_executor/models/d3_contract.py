@@ -3,6 +3,7 @@
 Pure functions over a checkpoint's ``decision_config.json`` (a dict), shared by the
 config hook (start-up), the read strategy (API server) and the worker:
 
+- ``decision_config_of``: the file as vLLM attached it to ``hf_config``, if any.
 - ``attention_mode_of``: the declared attention mode (``causal`` when absent).
 - ``validated_length_of``: the declared ``validated_length`` (a positive int) or None.
 - ``check_prompt_layout``: only the ``d3`` layout (or none) is understood.
@@ -29,6 +30,12 @@ PROMPT_LAYOUTS = ("d3",)
 def _is_int(value: Any) -> bool:
     """A real int: ``True`` is not a one-token anything."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def decision_config_of(hf_config: Any) -> Mapping[str, Any] | None:
+    """The ``decision_config.json`` vLLM's D3 detection attached, if any."""
+    decision = getattr(hf_config, "decision_config", None)
+    return decision if isinstance(decision, Mapping) else None
 
 
 def attention_mode_of(decision: Mapping[str, Any]) -> str:

@@ -114,9 +114,10 @@ class D3Strategy(upstream.D3Strategy):
         reads = []
         for prompt in prompts:
             ids, size = self._tokens_and_state_size(prompt[split:], state)
+            prompt_ids = media_ids + ids
             engine_input = MultiModalInput(**media_input)
-            engine_input["prompt_token_ids"] = media_ids + ids
-            reads.append(_Read(engine_input, media_ids + ids, len(media_ids) + size))
+            engine_input["prompt_token_ids"] = prompt_ids
+            reads.append(_Read(engine_input, prompt_ids, len(media_ids) + size))
         return reads
 
     async def _code_logits(
