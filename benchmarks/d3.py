@@ -24,7 +24,9 @@ Contract:
   repeating when the time left is shorter than its last request; what was
   skipped is listed in the results.
 - Writes ``OUT/results.json``, ``OUT/results.md``, ``OUT/serve-*.log`` (one
-  per server) and, when matplotlib is installed, ``OUT/latency_vs_state.png``.
+  per server) and, when matplotlib is installed, ``OUT/latency_vs_state.png``;
+  the results are rewritten after the reference and after each server (rows
+  still to come read "pending"), so a run cut short keeps what it measured.
   Progress lines carry timestamps.
 """
 
@@ -36,6 +38,7 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,8 +205,10 @@ def _run_vllm(
     word_ratio: float,
     state_scale: float,
     budget: Budget,
+    after_group: Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], object],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The vLLM servers (by name), row results and load results."""
+    """The vLLM servers (by name), row results and load results;
+    ``after_group`` gets the three after each server, so far."""
     from .vllm_side import run_group
 
     pools = {
@@ -265,6 +270,7 @@ def _run_vllm(
         )
         row_results.update(servers[name]["rows"])
         load_results.update(servers[name]["loads"])
+        after_group(servers, row_results, load_results)
     return servers, row_results, load_results
 
 
@@ -374,10 +380,81 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         finally:
             torch.set_num_threads(threads)
 
-    servers: dict[str, Any] = {}
-    vllm_rows: dict[str, Any] = {}
-    vllm_loads: dict[str, Any] = {}
-    if run_vllm:
+    pending = {"status": "pending (vLLM has not run yet)"}
+    not_run = {"status": "not run (--sides)" if cuda else NOT_RUN_NO_CUDA}
+
+    def write(
+        servers: dict[str, Any],
+        vllm_rows: dict[str, Any],
+        vllm_loads: dict[str, Any],
+        missing: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Write the results so far: a run cut short still leaves its rows."""
+        latency = [
+            _latency_entry(
+                row,
+                accounting[row.id],
+                args.warmup,
+                vllm_rows.get(row.id, dict(missing)),
+                reference["rows"].get(row.id, {"status": reference.get("status")}),
+            )
+            for row in rows
+        ]
+        by_id = {entry["id"]: entry for entry in latency}
+        throughput = [
+            _throughput_entry(load, vllm_loads.get(load.id, dict(missing)), by_id)
+            for load in loads
+        ]
+        results = {
+            "mode": "smoke" if args.smoke else "full",
+            "command": command,
+            "environment": {
+                **_environment(),
+                "reference_gdn_kernels": reference.get("gdn_kernels"),
+            },
+            "settings": settings,
+            "latency": latency,
+            "throughput": throughput,
+            "vllm_servers": servers,
+            "reference": {k: v for k, v in reference.items() if k != "rows"},
+            "skipped": [
+                f"{entry['id']} ({side}): {entry[side]['status']}"
+                for entry in latency + throughput
+                for side in SIDES
+                if str(entry[side].get("status", "")).startswith("skipped")
+            ],
+        }
+        results["plot"] = report.plot(results, out / "latency_vs_state.png")
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.md").write_text(report.markdown(results))
+        return results
+
+    settings = {
+        "shape": "tiny" if args.smoke else "d3-turbo",
+        "checkpoint": str(checkpoint),
+        "weights": weights,
+        "repeats": args.repeats,
+        "long_repeats": args.long_repeats,
+        "warmup": args.warmup,
+        "time_budget_s": args.time_budget,
+        "reference_share": args.reference_share,
+        "reference": f"{ref_device}, {str(ref_dtype).removeprefix('torch.')}",
+        "state_scale": scale,
+        "words_per_token": word_ratio,
+        "seed": args.seed,
+        "sides": args.sides,
+        "throughput": {
+            "warmup_s": args.throughput_warmup,
+            "duration_s": args.throughput_seconds,
+            "max_requests": args.max_requests,
+            "distinct_requests_per_row": args.pool,
+        },
+    }
+    if not run_vllm:
+        results = write({}, {}, {}, not_run)
+    else:
+        write({}, {}, {}, pending)
+        log(f"reference written to {out / 'results.json'}")
         servers, vllm_rows, vllm_loads = _run_vllm(
             args,
             checkpoint,
@@ -388,66 +465,12 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             word_ratio=word_ratio,
             state_scale=scale,
             budget=budget,
+            after_group=lambda done_servers, done_rows, done_loads: write(
+                done_servers, done_rows, done_loads, pending
+            ),
         )
-    not_run = {"status": "not run (--sides)" if cuda else NOT_RUN_NO_CUDA}
-    latency = [
-        _latency_entry(
-            row,
-            accounting[row.id],
-            args.warmup,
-            vllm_rows.get(row.id, dict(not_run)),
-            reference["rows"].get(row.id, {"status": reference.get("status")}),
-        )
-        for row in rows
-    ]
-    by_id = {entry["id"]: entry for entry in latency}
-    throughput = [
-        _throughput_entry(load, vllm_loads.get(load.id, dict(not_run)), by_id)
-        for load in loads
-    ]
-    skipped = [
-        f"{entry['id']} ({side}): {entry[side]['status']}"
-        for entry in latency + throughput
-        for side in SIDES
-        if str(entry[side].get("status", "")).startswith("skipped")
-    ]
-    results = {
-        "mode": "smoke" if args.smoke else "full",
-        "command": command,
-        "environment": {
-            **_environment(),
-            "reference_gdn_kernels": reference.get("gdn_kernels"),
-        },
-        "settings": {
-            "shape": "tiny" if args.smoke else "d3-turbo",
-            "checkpoint": str(checkpoint),
-            "weights": weights,
-            "repeats": args.repeats,
-            "long_repeats": args.long_repeats,
-            "warmup": args.warmup,
-            "time_budget_s": args.time_budget,
-            "reference_share": args.reference_share,
-            "reference": f"{ref_device}, {str(ref_dtype).removeprefix('torch.')}",
-            "state_scale": scale,
-            "words_per_token": word_ratio,
-            "seed": args.seed,
-            "sides": args.sides,
-            "throughput": {
-                "warmup_s": args.throughput_warmup,
-                "duration_s": args.throughput_seconds,
-                "max_requests": args.max_requests,
-                "distinct_requests_per_row": args.pool,
-            },
-        },
-        "latency": latency,
-        "throughput": throughput,
-        "vllm_servers": servers,
-        "reference": {k: v for k, v in reference.items() if k != "rows"},
-        "skipped": skipped,
-    }
-    results["plot"] = report.plot(results, out / "latency_vs_state.png")
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(report.markdown(results))
+        results = write(servers, vllm_rows, vllm_loads, not_run)
+    skipped = results["skipped"]
     if skipped:
         log(f"skipped: {'; '.join(skipped)}")
     log(f"plot: {results['plot']}")

@@ -386,6 +386,10 @@ def test_masks() -> None:
         [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool
     )
     assert torch.equal(allowed("prefix_bidir", 4, 2), expected)
+    for mode in ("causal", "noncausal_full_attention", "prefix_bidir"):
+        for first in range(4):
+            rows = allowed(mode, 4, 2, first_query=first)
+            assert torch.equal(rows, allowed(mode, 4, 2)[first:]), (mode, first)
     with pytest.raises(ValueError, match="unknown attention mode"):
         allowed("sliding", 4, 2)
 

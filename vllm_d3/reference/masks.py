@@ -2,7 +2,8 @@
 
 Contract: ``allowed(mode, n, s)[i, j]`` says whether query token ``i`` may read
 key token ``j`` in a full-attention layer, for a prompt of ``n`` tokens whose
-state block is ``[0, s)``:
+state block is ``[0, s)``; ``allowed(mode, n, s, first_query=q)`` is the same
+mask's rows ``[q, n)`` alone (row 0 is query ``q``):
 
 - ``causal``: ``j <= i``;
 - ``noncausal_full_attention``: always (the whole prompt both ways);
@@ -23,16 +24,20 @@ ATTENTION_MODES = ("causal", "noncausal_full_attention", "prefix_bidir")
 
 
 def allowed(
-    mode: str, n: int, s: int, device: torch.device | None = None
+    mode: str,
+    n: int,
+    s: int,
+    device: torch.device | None = None,
+    first_query: int = 0,
 ) -> torch.Tensor:
     if mode not in ATTENTION_MODES:
         raise ValueError(
             f"unknown attention mode {mode!r}; expected one of {list(ATTENTION_MODES)}"
         )
-    position = torch.arange(n, device=device)
-    query, key = position[:, None], position[None, :]
+    query = torch.arange(first_query, n, device=device)[:, None]
+    key = torch.arange(n, device=device)[None, :]
     if mode == "noncausal_full_attention":
-        return torch.ones(n, n, dtype=torch.bool, device=device)
+        return torch.ones(n - first_query, n, dtype=torch.bool, device=device)
     causal = key <= query
     if mode == "causal":
         return causal

@@ -301,19 +301,22 @@ class ReferenceRuntime:
         if any(r.state_tokens != s or r.token_ids[:s] != state_ids for r in rendered):
             raise ValueError("the questions' prompts do not share one state block")
         embeds, positions = self._inputs(rendered[0], features)
-        state_mask = masks.allowed("prefix_bidir", s, s, self.device)
+        # Every state token reads the whole state: one row of the mask, broadcast
+        # over the state's queries, stands for all of them (a full s x s mask
+        # would take tens of GB at 100K tokens).
+        state_row = masks.allowed("prefix_bidir", s, s, self.device, first_query=s - 1)
         cache = DynamicCache(config=self.text_config)
         self._run(
             embeds[:, :s],
             positions[..., :s],
-            masks.additive(state_mask, self.dtype),
+            masks.additive(state_row, self.dtype),
             cache,
         )
         last = []
         for r in rendered:
             embeds, positions = self._inputs(r, features)
             n = len(r.token_ids)
-            rows = masks.allowed("prefix_bidir", n, s, self.device)[s:]
+            rows = masks.allowed("prefix_bidir", n, s, self.device, first_query=s)
             hidden = self._run(
                 embeds[:, s:],
                 positions[..., s:],
