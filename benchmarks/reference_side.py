@@ -12,7 +12,9 @@ Contract:
   config); the readout, tokenizer and processor come from the package as usual.
   ``device="meta"`` allocates nothing and can only ``render``.
 - ``open_runtime(...)`` loads the package's weights when it has them, else
-  builds a ``RandomInitRuntime``.
+  builds a ``RandomInitRuntime``. Both run attention with ``KERNEL`` (torch's
+  fused SDPA kernels), not the reference's exact default, which is for
+  checking answers.
 - ``token_accounting(rendered)``: the tokens each side computes for one
   request. vLLM runs one prompt per question, re-reading the state: ``sum(n_i)``
   (its ``usage.input_tokens``). ``state_once`` reads the state once:
@@ -46,6 +48,8 @@ from .rows import Row
 from .timing import Budget, log, measure
 
 GIB = 2**30
+#: The reference's attention kernel when it is timed: torch's fused SDPA kernels.
+KERNEL = "sdpa"
 
 
 class _RandomBackbone:
@@ -82,7 +86,7 @@ class RandomInitRuntime(ReferenceRuntime):
         torch.manual_seed(seed)
         backbone = _RandomBackbone(device)
         with mock.patch.object(reference_runtime, "Qwen3_5Model", backbone):
-            super().__init__(checkpoint, device=device, dtype=dtype)
+            super().__init__(checkpoint, device=device, dtype=dtype, kernel=KERNEL)
 
 
 def has_weights(checkpoint: str | os.PathLike[str]) -> bool:
@@ -101,7 +105,7 @@ def open_runtime(
     seed: int,
 ) -> ReferenceRuntime:
     if has_weights(checkpoint):
-        return ReferenceRuntime(checkpoint, device=device, dtype=dtype)
+        return ReferenceRuntime(checkpoint, device=device, dtype=dtype, kernel=KERNEL)
     return RandomInitRuntime(checkpoint, device=device, dtype=dtype, seed=seed)
 
 

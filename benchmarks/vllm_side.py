@@ -41,7 +41,7 @@ POLL_INTERVAL_S = 0.5
 #: Server log lines worth keeping: how vLLM split the GPU memory.
 MEMORY_LOG = re.compile(
     r"model loading took|available kv cache memory|gpu kv cache size"
-    r"|maximum concurrency|cuda graph",
+    r"|graph capturing finished|init engine",
     re.IGNORECASE,
 )
 

@@ -17,6 +17,7 @@ import pytest
 
 from vllm_d3.testing.validation import (
     CONTROL_MARGIN,
+    FLOAT32_TABLE,
     LONG_MAX_MODEL_LEN,
     TOLERANCE,
     VALIDATED_LENGTH,
@@ -56,6 +57,19 @@ def test_answers_match_the_reference(results, table):
         for name, stats in results["tables"][table].items()
         if not passes(stats)
     }
+    assert not failing
+
+
+def test_served_in_float32_matches_the_reference(results):
+    if FLOAT32_TABLE not in results["tables"]:
+        pytest.skip("the run served everything in VLLM_D3_VALIDATION_DTYPE")
+    table = results["tables"][FLOAT32_TABLE]
+    assert not {name: stats for name, stats in table.items() if not passes(stats)}
+
+
+def test_the_reference_agrees_with_itself_on_cpu_and_gpu(results):
+    table = results["tables"]["check: reference on the CPU vs on the GPU"]
+    failing = {name: stats for name, stats in table.items() if not passes(stats)}
     assert not failing
 
 

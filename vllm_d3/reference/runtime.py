@@ -1,9 +1,12 @@
 """The reference runtime: a D3 checkpoint answered with transformers' Qwen3.5.
 
 Contract:
-- ``ReferenceRuntime(checkpoint)`` loads ``Qwen3_5Model`` (SDPA attention),
+- ``ReferenceRuntime(checkpoint, kernel=...)`` loads ``Qwen3_5Model``,
   ``readout.safetensors`` (``weight`` ``[codes, hidden]``, used in fp32),
   ``decision_config.json`` and the checkpoint's tokenizer and processor.
+  ``kernel="exact"`` (the default) runs attention as ``exact_attention`` writes
+  it out, the same operations on every device; ``kernel="sdpa"`` runs torch's
+  fused kernels, faster, for timing rather than for checking answers.
 - ``render(request)`` returns one ``RenderedQuestion`` per question.
 - ``answer(request, path=..., attention=...)`` returns vLLM's /v1/systemone
   ``answers`` and ``usage`` (input tokens: the sum of the prompt lengths).
@@ -39,6 +42,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
 
 from . import masks
 from .decision import DecisionConfig
+from .exact_attention import EXACT
 from .media import (
     MediaInputs,
     configure_processor,
@@ -50,6 +54,7 @@ from .prompt import PromptTokenizer, render_prompt, state_text
 from .questions import Question, parse_questions
 
 PATHS = ("per_question", "state_once")
+ATTENTION_KERNELS = {"exact": EXACT, "sdpa": "sdpa"}
 VISION_END = "<|vision_end|>"
 
 
@@ -84,7 +89,13 @@ class ReferenceRuntime:
         *,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
+        kernel: str = "exact",
     ):
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"unknown attention kernel {kernel!r}; expected one of "
+                f"{list(ATTENTION_KERNELS)}"
+            )
         self.path = Path(checkpoint)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -94,7 +105,10 @@ class ReferenceRuntime:
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self._prompts = PromptTokenizer(self.tokenizer)
         loaded: Any = Qwen3_5Model.from_pretrained(
-            self.path, dtype=dtype, attn_implementation="sdpa", output_loading_info=True
+            self.path,
+            dtype=dtype,
+            attn_implementation=ATTENTION_KERNELS[kernel],
+            output_loading_info=True,
         )
         model, loading = loaded
         if loading["missing_keys"]:

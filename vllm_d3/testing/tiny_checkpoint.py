@@ -14,7 +14,7 @@ Files: ``config.json``, ``decision_config.json``, ``readout.safetensors`` (one
 float32 tensor ``weight`` of shape [255, hidden]), ``tokenizer.json``,
 ``tokenizer_config.json``, ``chat_template.jinja``, ``preprocessor_config.json``,
 ``video_preprocessor_config.json``, ``MODEL_MANIFEST.json`` and, unless
-``weights=False``, the bf16 backbone: ``model.safetensors``, or shards plus
+``weights=False``, the backbone: ``model.safetensors``, or shards plus
 ``model.safetensors.index.json`` when it exceeds ``MAX_SHARD_BYTES``. Tensor names
 are those of ``Qwen3_5Model.state_dict()`` (``language_model.*``, ``visual.*``),
 which is what ``Qwen3_5Model.save_pretrained`` writes.
@@ -121,7 +121,7 @@ SPECIAL_TOKENS = (
 THINK_TOKENS = ("<think>", "</think>")
 #: Second letters of two-letter codes the tokenizer never merges.
 UNMERGED_SECOND_LETTERS = "QX"
-#: Typical standard deviation of one readout logit. Kept small: bf16 rounding
+#: Typical standard deviation of one readout logit. Kept small: rounding
 #: moves the logits by a fixed fraction of it, and how far that moves the
 #: probabilities grows with their spread.
 READOUT_LOGIT_STD = 0.7
@@ -129,7 +129,7 @@ READOUT_LOGIT_STD = 0.7
 #: single out tokens), and the gain of its output projection (so what the last
 #: token attends to outweighs the prompt's common suffix). Both make the
 #: readout depend on the context and on the attention mask.
-#: Sharper attention amplifies bf16 noise about as much as the mask's effect;
+#: Sharper attention amplifies rounding noise about as much as the mask's effect;
 #: a milder scale with a stronger output keeps the mask's effect and less noise.
 ATTENTION_QK_NORM_SCALE = 1.5
 ATTENTION_OUTPUT_GAIN = 8.0
@@ -138,7 +138,7 @@ ATTENTION_OUTPUT_GAIN = 8.0
 #: through the other tokens' states that later layers read: the first
 #: full-attention layer writes most of what the mask changes.
 FIRST_ATTENTION_OUTPUT_GAIN = 12.0
-#: Gain of the Gated DeltaNet and MLP output projections. Their bf16 rounding
+#: Gain of the Gated DeltaNet and MLP output projections. Their rounding
 #: error enters the residual stream in proportion to their output, and the
 #: full-attention layers amplify it; small, they leave the mask's effect and
 #: carry less noise.

@@ -20,8 +20,13 @@ It writes ``DIR/results.json`` and ``DIR/validation.md`` (generated from the run
 with the GPU, versions and command; ``report`` rewrites the markdown from a
 ``results.json``). Each vLLM instance runs in a subprocess of this module
 (``inprocess``) or as a server: one at a time, or at once with ``--parallel``
-(each with a fifth of the GPU's memory). ``--dtype float32`` serves in float32,
-which takes bf16 rounding out of the comparison with the float32 reference.
+(each with ``PARALLEL_MEMORY`` of the GPU's memory and a fixed KV cache size:
+engines that profile their memory at the same moment count each other's
+allocations as their own). Without ``--dtype`` the text sets are also served in
+float32 in process, which takes rounding out of the comparison; ``--dtype
+float32`` serves everything in float32 instead of the checkpoint's dtype. The
+reference also runs on the CPU for the short text sets, a check that its GPU
+kernels agree with its CPU ones; ``results.json`` keeps every answer.
 """
 
 import argparse
@@ -44,7 +49,8 @@ TIE = 0.01
 CONTROL_MARGIN = 2.5  # a negative control must exceed the tolerance by this factor
 SERVE_FLAGS = ["--gdn-prefill-backend", "triton"]
 LONG_MAX_MODEL_LEN = 131072
-PARALLEL_MEMORY = 0.2
+PARALLEL_MEMORY = 0.15
+PARALLEL_KV_CACHE_BYTES = 4 * 2**30
 VALIDATED_LENGTH = 32768
 MODES = ("prefix_bidir", "causal", "noncausal_full_attention")
 
@@ -98,13 +104,16 @@ def scaled_sets(checkpoint: str, *, quick: bool) -> dict[str, list[dict[str, Any
 
 
 def reference_answers(
-    checkpoint: str, sets: dict[str, list[dict]], attention: str | None
+    checkpoint: str,
+    sets: dict[str, list[dict]],
+    attention: str | None,
+    device: str = "cuda",
 ) -> dict[str, list[dict]]:
     import torch
 
     from vllm_d3.reference import ReferenceRuntime
 
-    runtime = ReferenceRuntime(checkpoint, device="cuda", dtype=torch.float32)
+    runtime = ReferenceRuntime(checkpoint, device=device, dtype=torch.float32)
     out = {}
     for name, requests in sets.items():
         long = name.startswith(("24K", "64K"))
@@ -116,7 +125,7 @@ def reference_answers(
         out[name] = [
             runtime.answer(r, path=path, attention=attention) for r in requests
         ]
-        log(f"reference {attention or 'checkpoint mode'}: {name}")
+        log(f"reference {attention or 'checkpoint mode'} on {device}: {name}")
     del runtime
     torch.cuda.empty_cache()
     return out
@@ -465,6 +474,7 @@ def _versions() -> dict[str, str]:
     }
 
 
+FLOAT32_TABLE = "prefix_bidir, in process, served with --dtype float32"
 #: Every table a complete run produces.
 EXPECTED_TABLES = (
     "prefix_bidir, HTTP /v1/systemone",
@@ -474,6 +484,8 @@ EXPECTED_TABLES = (
     "control: state size withheld (one block), in process",
     "causal checkpoint, in process",
     "noncausal_full_attention checkpoint, in process",
+    FLOAT32_TABLE,
+    "check: reference on the CPU vs on the GPU",
 )
 
 
@@ -570,6 +582,7 @@ def run(
     ref = reference_answers(main, sets, None)
     ref_causal = reference_answers(main, short_text, "causal")
     ref_bidir = reference_answers(main, short_text, "noncausal_full_attention")
+    answers = results["answers"] = {"reference": ref}
 
     command = "python -m vllm_d3.testing.validation run --out OUT"
     command += " --quick" if quick else ""
@@ -591,23 +604,31 @@ def run(
         mode: reference_answers(checkpoints[mode], short_text, None)
         for mode in other_modes
     }
-    # The options a user would pass: in parallel, every engine gets a fifth of
-    # the GPU's memory; --dtype float32 takes bf16 rounding out of the check.
+    # The options a user would pass: in parallel, every engine gets a share of
+    # the GPU's memory and a fixed KV cache; --dtype serves in another dtype.
     engine_args: dict[str, Any] = {}
     if parallel:
         engine_args["gpu_memory_utilization"] = PARALLEL_MEMORY
+        engine_args["kv_cache_memory_bytes"] = PARALLEL_KV_CACHE_BYTES
     if dtype:
         engine_args["dtype"] = dtype
 
     def in_process(mode: str, names: dict) -> InProcess:
-        return InProcess(checkpoints[mode], names, work, mode, long, engine_args)
+        long_states = long and any(n.startswith(("24K", "64K")) for n in names)
+        return InProcess(checkpoints[mode], names, work, mode, long_states, engine_args)
+
+    def in_float32() -> InProcess:
+        args = {**engine_args, "dtype": "float32"}
+        return InProcess(main, short_text, work, "float32", False, args)
 
     main_job = in_process("prefix_bidir", text_sets)
     jobs = (
         {mode: in_process(mode, short_text) for mode in other_modes} if parallel else {}
     )
+    float32_job = in_float32() if parallel and not dtype else None
     http = run_http(main, sets, work, long, engine_args)
     results["http"] = {k: v for k, v in http.items() if k != "answers"}
+    answers["http"] = http["answers"]
     tables["prefix_bidir, HTTP /v1/systemone"] = table(ref, http["answers"], sets)
     tables["control: served vs reference causal mask"] = table(
         ref_causal, http["answers"], short_text
@@ -617,6 +638,7 @@ def run(
     )
     save()
     served = main_job.result()
+    answers["in process"] = served
     tables["prefix_bidir, in process (LLM.classify)"] = table(
         ref, served["served"], text_sets
     )
@@ -626,11 +648,23 @@ def run(
     save()
     for mode in other_modes:
         job = jobs.get(mode) or in_process(mode, short_text)
+        answers[f"{mode} in process"] = job.result()
         tables[f"{mode} checkpoint, in process"] = table(
-            ref_modes[mode], job.result()["served"], short_text
+            ref_modes[mode], answers[f"{mode} in process"]["served"], short_text
+        )
+        save()
+    if not dtype:
+        answers["float32 in process"] = (float32_job or in_float32()).result()
+        tables[FLOAT32_TABLE] = table(
+            ref, answers["float32 in process"]["served"], short_text
         )
         save()
     results["prefix_caching"] = prefix_caching_refused(main, work)
+    save()
+    answers["reference on cpu"] = reference_answers(main, short_text, None, "cpu")
+    tables["check: reference on the CPU vs on the GPU"] = table(
+        ref, answers["reference on cpu"], short_text
+    )
     save()
     return results
 
@@ -652,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument(
         "--parallel",
         action="store_true",
-        help="run the vLLM engines at once, each with a fifth of the GPU memory",
+        help=f"run the vLLM engines at once, each with {PARALLEL_MEMORY:.0%} of the "
+        "GPU memory",
     )
     report_p = sub.add_parser("report", help="write validation.md from results.json")
     report_p.add_argument("results", type=Path)
