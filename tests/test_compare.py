@@ -76,3 +76,6 @@ def test_report_verdicts_and_missing_tables():
     assert "| clearly wrong |" in text
     assert "- causal checkpoint, in process" in text
     assert "- --enable-prefix-caching" in text
+    assert "## Failures" not in text
+    results["failures"] = {"causal checkpoint, in process": "exited with 1"}
+    assert "- causal checkpoint, in process: exited with 1" in report(results, "cmd")

@@ -254,11 +254,16 @@ class InProcess:
         command += [checkpoint, str(sets_file), str(self.out_file)]
         command += ["--long"] if long else []
         command += [f"--engine-arg={k}={json.dumps(v)}" for k, v in engine_args.items()]
+        self.tag = tag
         self.process = subprocess.Popen(command)
 
     def result(self) -> dict:
-        if self.process.wait() != 0:
-            raise RuntimeError(f"in-process run failed: {self.process.args!r}")
+        code = self.process.wait()
+        if code != 0:
+            raise RuntimeError(
+                f"the in-process run of {self.tag} exited with {code}; its output "
+                "is in the run's log"
+            )
         return json.loads(self.out_file.read_text())
 
 
@@ -520,6 +525,11 @@ def report(results: dict, command: str) -> str:
     missing += [] if "prefix_caching" in results else ["--enable-prefix-caching"]
     if missing:
         lines += ["## Not measured in this run", "", *(f"- {t}" for t in missing), ""]
+    failures = results.get("failures", {})
+    if failures:
+        lines += ["## Failures", ""]
+        lines += [f"- {title}: {error}" for title, error in failures.items()]
+        lines += [""]
     http = results.get("http")
     if http:
         lines += [
@@ -646,19 +656,27 @@ def run(
         ref, served["one block"], short_text
     )
     save()
+
+    def served_table(title: str, key: str, job: InProcess, against: dict) -> None:
+        """One more engine's table; an engine that fails is recorded, and the
+        run goes on to the remaining checks."""
+        try:
+            answers[key] = job.result()
+        except RuntimeError as error:
+            results.setdefault("failures", {})[title] = str(error)
+            log(f"{title}: {error}")
+        else:
+            tables[title] = table(against, answers[key]["served"], short_text)
+        save()
+
     for mode in other_modes:
         job = jobs.get(mode) or in_process(mode, short_text)
-        answers[f"{mode} in process"] = job.result()
-        tables[f"{mode} checkpoint, in process"] = table(
-            ref_modes[mode], answers[f"{mode} in process"]["served"], short_text
+        served_table(
+            f"{mode} checkpoint, in process", f"{mode} in process", job, ref_modes[mode]
         )
-        save()
     if not dtype:
-        answers["float32 in process"] = (float32_job or in_float32()).result()
-        tables[FLOAT32_TABLE] = table(
-            ref, answers["float32 in process"]["served"], short_text
-        )
-        save()
+        job = float32_job or in_float32()
+        served_table(FLOAT32_TABLE, "float32 in process", job, ref)
     results["prefix_caching"] = prefix_caching_refused(main, work)
     save()
     answers["reference on cpu"] = reference_answers(main, short_text, None, "cpu")
