@@ -18,6 +18,7 @@ import pytest
 from vllm_d3.testing.validation import (
     CONTROL_MARGIN,
     FLOAT32_TABLE,
+    GPU_CHECK_TABLE,
     LONG_MAX_MODEL_LEN,
     TOLERANCE,
     VALIDATED_LENGTH,
@@ -68,7 +69,7 @@ def test_served_in_float32_matches_the_reference(results):
 
 
 def test_the_reference_agrees_with_itself_on_cpu_and_gpu(results):
-    table = results["tables"]["check: reference on the CPU vs on the GPU"]
+    table = results["tables"][GPU_CHECK_TABLE]
     failing = {name: stats for name, stats in table.items() if not passes(stats)}
     assert not failing
 

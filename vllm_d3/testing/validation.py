@@ -6,8 +6,9 @@ the seeded request sets of ``requests.py``, and then, each served by vLLM with n
 flag beyond what a user passes (``--gdn-prefill-backend triton`` for the GPU
 bundle, ``--max-model-len 131072`` for the long states):
 
-- reference answers (``vllm_d3.reference``, float32) under the checkpoint's mask,
-  and under the causal and whole-prompt-bidirectional masks for the controls;
+- reference answers (``vllm_d3.reference``, float32; on the CPU, and on the GPU
+  for the long states only) under the checkpoint's mask, and under the causal
+  and whole-prompt-bidirectional masks for the controls;
 - in process: ``LLM.classify`` with each prompt's state size in ``PoolingParams``
   (text sets), and the same prompts with the state size withheld, i.e. sent as
   one block covering the whole prompt (negative control);
@@ -25,8 +26,9 @@ engines that profile their memory at the same moment count each other's
 allocations as their own). Without ``--dtype`` the text sets are also served in
 float32 in process, which takes rounding out of the comparison; ``--dtype
 float32`` serves everything in float32 instead of the checkpoint's dtype. The
-reference also runs on the CPU for the short text sets, a check that its GPU
-kernels agree with its CPU ones; ``results.json`` keeps every answer.
+reference also runs on the GPU for the short text sets, a check that its GPU
+kernels agree with its CPU ones (the long states rely on them);
+``results.json`` keeps every answer.
 """
 
 import argparse
@@ -52,6 +54,9 @@ LONG_MAX_MODEL_LEN = 131072
 PARALLEL_MEMORY = 0.15
 PARALLEL_KV_CACHE_BYTES = 4 * 2**30
 VALIDATED_LENGTH = 32768
+#: The request sets with long states (their names start so).
+LONG_SETS = ("24K", "64K")
+GPU_CHECK_TABLE = "check: reference on the GPU vs on the CPU"
 MODES = ("prefix_bidir", "causal", "noncausal_full_attention")
 
 
@@ -107,7 +112,7 @@ def reference_answers(
     checkpoint: str,
     sets: dict[str, list[dict]],
     attention: str | None,
-    device: str = "cuda",
+    device: str,
 ) -> dict[str, list[dict]]:
     import torch
 
@@ -116,7 +121,7 @@ def reference_answers(
     runtime = ReferenceRuntime(checkpoint, device=device, dtype=torch.float32)
     out = {}
     for name, requests in sets.items():
-        long = name.startswith(("24K", "64K"))
+        long = name.startswith(LONG_SETS)
         path = (
             "state_once"
             if long and attention in (None, "prefix_bidir")
@@ -490,7 +495,7 @@ EXPECTED_TABLES = (
     "causal checkpoint, in process",
     "noncausal_full_attention checkpoint, in process",
     FLOAT32_TABLE,
-    "check: reference on the CPU vs on the GPU",
+    GPU_CHECK_TABLE,
 )
 
 
@@ -583,15 +588,19 @@ def run(
         for k, v in sets.items()
         if not any(r.get("images") or r.get("videos") for r in v)
     }
-    short_text = {
-        k: v for k, v in text_sets.items() if not k.startswith(("24K", "64K"))
-    }
+    short_text = {k: v for k, v in text_sets.items() if not k.startswith(LONG_SETS)}
+    short_sets = {k: v for k, v in sets.items() if not k.startswith(LONG_SETS)}
     log(f"sets: {', '.join(f'{k} ({len(v)})' for k, v in sets.items())}")
 
     results: dict[str, Any] = {"versions": _versions(), "tables": {}}
-    ref = reference_answers(main, sets, None)
-    ref_causal = reference_answers(main, short_text, "causal")
-    ref_bidir = reference_answers(main, short_text, "noncausal_full_attention")
+    # The oracle runs in float32 on the CPU, the same arithmetic whatever GPU
+    # runs the engines; only the long states need the GPU.
+    ref = reference_answers(main, short_sets, None, "cpu")
+    if long:
+        long_sets = {k: v for k, v in sets.items() if k not in short_sets}
+        ref.update(reference_answers(main, long_sets, None, "cuda"))
+    ref_causal = reference_answers(main, short_text, "causal", "cpu")
+    ref_bidir = reference_answers(main, short_text, "noncausal_full_attention", "cpu")
     answers = results["answers"] = {"reference": ref}
 
     command = "python -m vllm_d3.testing.validation run --out OUT"
@@ -611,7 +620,7 @@ def run(
     tables = results["tables"]
     other_modes = ("causal", "noncausal_full_attention")
     ref_modes = {
-        mode: reference_answers(checkpoints[mode], short_text, None)
+        mode: reference_answers(checkpoints[mode], short_text, None, "cpu")
         for mode in other_modes
     }
     # The options a user would pass: in parallel, every engine gets a share of
@@ -624,7 +633,7 @@ def run(
         engine_args["dtype"] = dtype
 
     def in_process(mode: str, names: dict) -> InProcess:
-        long_states = long and any(n.startswith(("24K", "64K")) for n in names)
+        long_states = long and any(n.startswith(LONG_SETS) for n in names)
         return InProcess(checkpoints[mode], names, work, mode, long_states, engine_args)
 
     def in_float32() -> InProcess:
@@ -679,10 +688,8 @@ def run(
         served_table(FLOAT32_TABLE, "float32 in process", job, ref)
     results["prefix_caching"] = prefix_caching_refused(main, work)
     save()
-    answers["reference on cpu"] = reference_answers(main, short_text, None, "cpu")
-    tables["check: reference on the CPU vs on the GPU"] = table(
-        ref, answers["reference on cpu"], short_text
-    )
+    answers["reference on gpu"] = reference_answers(main, short_text, None, "cuda")
+    tables[GPU_CHECK_TABLE] = table(ref, answers["reference on gpu"], short_text)
     save()
     return results
 
