@@ -3,8 +3,9 @@
 ``python -m vllm_d3.testing.validation run --out DIR [--quick]`` builds tiny
 checkpoints (prefix_bidir with a vision tower, causal, noncausal_full_attention),
 the seeded request sets of ``requests.py``, and then, each served by vLLM with no
-flag beyond what a user passes (``--gdn-prefill-backend triton`` for the GPU
-bundle, ``--max-model-len 131072`` for the long states):
+flag beyond what a user passes (``--gdn-prefill-backend triton``, for a vLLM
+install without FlashInfer's GDN kernels; ``--max-model-len 131072`` for the
+long states):
 
 - reference answers (``vllm_d3.reference``, float32; on the CPU, and on the GPU
   for the long states only) under the checkpoint's mask, and under the causal
