@@ -12,11 +12,11 @@ Contract:
   otherwise: the declared ``validated_length``) serves the short rows and the
   throughput loads, and a second server with ``--max-model-len 131072`` the
   long-state rows. A package with weights is loaded by both instead.
-- ``--smoke``: a tiny package and the reference in float32 on the CPU, one
-  request per row and no warm-up (the start-up request warms up), long states
-  scaled by ``SMOKE_STATE_SCALE``, 5 s throughput loads. Without CUDA
-  the vLLM rows read "not run (no CUDA)"; with CUDA vLLM serves the tiny
-  package too (a quick end-to-end check of the harness).
+- ``--smoke``: a tiny package, one request per row and no warm-up (the
+  start-up request warms up), long states scaled by ``SMOKE_STATE_SCALE``, 5 s
+  throughput loads. Without CUDA the reference runs in float32 on the CPU and
+  the vLLM rows read "not run (no CUDA)"; with CUDA both sides run there (a
+  quick end-to-end check of the harness).
 - Latency rows: ``rows.LATENCY_ROWS``; throughput loads:
   ``rows.THROUGHPUT_ROWS``. ``--rows`` keeps the ids matching any of its
   comma-separated ``fnmatch`` patterns (``text-*,tput-*``).
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, help="generated packages (OUT/work)")
     parser.add_argument(
-        "--smoke", action="store_true", help="tiny package, reference on the CPU"
+        "--smoke", action="store_true", help="tiny package, few requests"
     )
     parser.add_argument("--checkpoint", type=Path, help="use this D3 package")
     parser.add_argument(
@@ -118,6 +118,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--pool", type=int, default=16, help="distinct requests per mix row"
+    )
+    parser.add_argument(
+        "--reference-device",
+        choices=["cuda", "cpu"],
+        help="where the reference runs (cuda when there is CUDA, else cpu)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -357,7 +362,9 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
     run_vllm = "vllm" in args.sides and cuda
     reference: dict[str, Any] = {"status": "not run (--sides)", "rows": {}}
-    ref_device = "cuda" if cuda and not args.smoke else "cpu"
+    # transformers binds flash-linear-attention's CUDA kernels wherever it is
+    # installed, so with CUDA the reference runs there, smoke runs included.
+    ref_device = args.reference_device or ("cuda" if cuda else "cpu")
     ref_dtype = torch.bfloat16 if ref_device == "cuda" else torch.float32
     if "reference" in args.sides:
         log(f"reference on {ref_device} ({ref_dtype}), {weights}")

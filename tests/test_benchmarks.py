@@ -252,6 +252,7 @@ def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
     monkeypatch.setattr(d3, "_environment", lambda: {"gpu": "stub"})
     argv = ["--smoke", "--out", str(tmp_path), "--work", str(out / "work")]
     argv += ["--rows", "text-1,text-4,state-24k,tput-text-8"]
+    argv += ["--reference-device", "cpu"]
     argv += ["--throughput-seconds", "0.5", "--throughput-warmup", "0.1"]
     d3.main(argv)
     results = json.loads((tmp_path / "results.json").read_text())

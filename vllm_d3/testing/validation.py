@@ -109,7 +109,36 @@ def scaled_sets(checkpoint: str, *, quick: bool) -> dict[str, list[dict[str, Any
 # ------------------------------------------------------------------ reference
 
 
+#: Packages whose kernels transformers binds to Qwen3.5's Gated DeltaNet when it
+#: can import them, whatever the device; they run on CUDA only.
+GPU_ONLY_KERNEL_PACKAGES = ("fla", "causal_conv1d")
+
+
 def reference_answers(
+    checkpoint: str,
+    sets: dict[str, list[dict]],
+    attention: str | None,
+    device: str,
+) -> dict[str, list[dict]]:
+    """The reference's answers to every request of ``sets``, in float32. On the
+    CPU they come from a subprocess (the ``reference`` command) that cannot import
+    ``GPU_ONLY_KERNEL_PACKAGES``, so transformers runs its PyTorch code there even
+    on a machine that has them."""
+    if device != "cpu":
+        return _reference_answers_here(checkpoint, sets, attention, device)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        sets_file, out_file = Path(scratch, "sets.json"), Path(scratch, "out.json")
+        sets_file.write_text(json.dumps(sets))
+        command = [sys.executable, "-m", "vllm_d3.testing.validation"]
+        command += ["reference", checkpoint, str(sets_file), str(out_file)]
+        command += ["--attention", attention] if attention else []
+        subprocess.run(command, check=True)
+        return json.loads(out_file.read_text())
+
+
+def _reference_answers_here(
     checkpoint: str,
     sets: dict[str, list[dict]],
     attention: str | None,
@@ -719,6 +748,13 @@ def main(argv: list[str] | None = None) -> int:
     report_p.add_argument("results", type=Path)
     report_p.add_argument("--run-command", required=True, help="the run's command")
     report_p.add_argument("--out", type=Path, required=True)
+    ref_p = sub.add_parser(
+        "reference", help="the reference's answers on the CPU, as JSON"
+    )
+    ref_p.add_argument("checkpoint")
+    ref_p.add_argument("sets_file", type=Path)
+    ref_p.add_argument("out_file", type=Path)
+    ref_p.add_argument("--attention", help="a mask other than the checkpoint's")
     ip = sub.add_parser("inprocess")
     ip.add_argument("checkpoint")
     ip.add_argument("sets_file")
@@ -731,7 +767,15 @@ def main(argv: list[str] | None = None) -> int:
         help="KEY=JSON, an LLM keyword argument",
     )
     args = parser.parse_args(argv)
-    if args.command == "report":
+    if args.command == "reference":
+        # Before anything imports transformers' Qwen3.5 modelling code: a None
+        # entry in sys.modules makes an import of that package fail.
+        for package in GPU_ONLY_KERNEL_PACKAGES:
+            sys.modules[package] = None  # type: ignore[assignment]
+        sets = json.loads(args.sets_file.read_text())
+        answers = _reference_answers_here(args.checkpoint, sets, args.attention, "cpu")
+        args.out_file.write_text(json.dumps(answers))
+    elif args.command == "report":
         results = json.loads(args.results.read_text())
         args.out.write_text(report(results, args.run_command))
     elif args.command == "inprocess":

@@ -1,0 +1,62 @@
+"""The validation's CPU oracle runs transformers' PyTorch code even where GPU-only
+kernel packages are importable (a fake ``fla`` stands in for them here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_d3.reference import ReferenceRuntime
+from vllm_d3.testing import validation
+from vllm_d3.testing.compare import compare, flatten
+
+FAKE_FLA = """
+def chunk_gated_delta_rule(*args, **kwargs):
+    raise RuntimeError("the GPU-only fake fla kernel ran")
+
+
+fused_recurrent_gated_delta_rule = chunk_gated_delta_rule
+"""
+REQUEST = {
+    "state": "Ticket 12: the invoice shows the wrong address.",
+    "questions": {
+        "billing": {"type": "noul", "instructions": "Is this about billing?"},
+        "tone": {"type": "score", "criteria": ["calm", "upset"]},
+    },
+}
+
+
+@pytest.fixture
+def fake_fla(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    package = tmp_path / "site" / "fla"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_FLA)
+    path = os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    return package.parent
+
+
+def test_cpu_reference_avoids_gpu_only_kernels(make_checkpoint, fake_fla) -> None:
+    checkpoint = make_checkpoint()
+    # The premise: with the fake importable, transformers binds it.
+    script = (
+        "import json, sys\n"
+        "from vllm_d3.reference import ReferenceRuntime\n"
+        "ReferenceRuntime(sys.argv[1]).answer(json.loads(sys.argv[2]))\n"
+    )
+    bound = subprocess.run(
+        [sys.executable, "-c", script, checkpoint, json.dumps(REQUEST)],
+        capture_output=True,
+        text=True,
+    )
+    assert "the GPU-only fake fla kernel ran" in bound.stderr
+    # The validation's CPU oracle blocks it and answers as this process does.
+    got = validation.reference_answers(checkpoint, {"set": [REQUEST]}, None, "cpu")
+    expected = ReferenceRuntime(checkpoint).answer(REQUEST)
+    stats = compare(flatten([expected]), flatten(got["set"]))
+    assert stats["max_dp"] < 1e-6, stats
