@@ -112,6 +112,8 @@ def scaled_sets(checkpoint: str, *, quick: bool) -> dict[str, list[dict[str, Any
 #: Packages whose kernels transformers binds to Qwen3.5's Gated DeltaNet when it
 #: can import them, whatever the device; they run on CUDA only.
 GPU_ONLY_KERNEL_PACKAGES = ("fla", "causal_conv1d")
+#: This module's command line, for the subprocesses it runs itself.
+SELF_COMMAND = (sys.executable, "-m", "vllm_d3.testing.validation")
 
 
 def reference_answers(
@@ -131,8 +133,8 @@ def reference_answers(
     with tempfile.TemporaryDirectory() as scratch:
         sets_file, out_file = Path(scratch, "sets.json"), Path(scratch, "out.json")
         sets_file.write_text(json.dumps(sets))
-        command = [sys.executable, "-m", "vllm_d3.testing.validation"]
-        command += ["reference", checkpoint, str(sets_file), str(out_file)]
+        command = [*SELF_COMMAND, "reference", checkpoint, str(sets_file)]
+        command += [str(out_file)]
         command += ["--attention", attention] if attention else []
         subprocess.run(command, check=True)
         return json.loads(out_file.read_text())
@@ -285,8 +287,8 @@ class InProcess:
         sets_file = work / f"{tag}-sets.json"
         self.out_file = work / f"{tag}-inprocess.json"
         sets_file.write_text(json.dumps(sets))
-        command = [sys.executable, "-m", "vllm_d3.testing.validation", "inprocess"]
-        command += [checkpoint, str(sets_file), str(self.out_file)]
+        command = [*SELF_COMMAND, "inprocess", checkpoint, str(sets_file)]
+        command += [str(self.out_file)]
         command += ["--long"] if long else []
         command += [f"--engine-arg={k}={json.dumps(v)}" for k, v in engine_args.items()]
         self.tag = tag
@@ -663,7 +665,7 @@ def run(
         engine_args["dtype"] = dtype
 
     def in_process(mode: str, names: dict) -> InProcess:
-        long_states = long and any(n.startswith(LONG_SETS) for n in names)
+        long_states = any(n.startswith(LONG_SETS) for n in names)
         return InProcess(checkpoints[mode], names, work, mode, long_states, engine_args)
 
     def in_float32() -> InProcess:
