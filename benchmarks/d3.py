@@ -20,19 +20,22 @@ Contract:
 - Latency rows: ``rows.LATENCY_ROWS``; throughput loads:
   ``rows.THROUGHPUT_ROWS``. ``--rows`` keeps the ids matching any of its
   comma-separated ``fnmatch`` patterns (``text-*,tput-*``).
-- ``--time-budget``: no row or load starts once it is spent, and a row stops
-  repeating when the time left is shorter than its last request; what was
-  skipped is listed in the results.
+- ``--time-budget``: no row or load starts once it is spent, nor a long row
+  whose estimated time is longer than what is left (``timing.RowGate``), and
+  a row stops repeating when the time left is shorter than its last request;
+  what was skipped is listed in the results.
 - Writes ``OUT/results.json``, ``OUT/results.md``, ``OUT/serve-*.log`` (one
   per server) and, when matplotlib is installed, ``OUT/latency_vs_state.png``;
-  the results are rewritten after the reference and after each server (rows
-  still to come read "pending"), so a run cut short keeps what it measured.
+  the results are rewritten after the reference and after each vLLM row, load
+  and server (rows still to come read "pending"), so a run cut short keeps
+  what it measured.
   Progress lines carry timestamps.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -210,10 +213,21 @@ def _run_vllm(
     word_ratio: float,
     state_scale: float,
     budget: Budget,
-    after_group: Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], object],
+    progress: Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], object],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The vLLM servers (by name), row results and load results;
-    ``after_group`` gets the three after each server, so far."""
+    ``progress`` gets the three so far after each row, load and server."""
+    servers: dict[str, Any] = {}
+    row_results: dict[str, Any] = {}
+    load_results: dict[str, Any] = {}
+
+    def server_progress(name: str, server: dict[str, Any]) -> None:
+        progress(
+            {**servers, name: server},
+            {**row_results, **server["rows"]},
+            {**load_results, **server["loads"]},
+        )
+
     from .vllm_side import run_group
 
     pools = {
@@ -243,9 +257,6 @@ def _run_vllm(
             [],
         ),
     ]
-    servers: dict[str, Any] = {}
-    row_results: dict[str, Any] = {}
-    load_results: dict[str, Any] = {}
     for name, flags, group_rows, group_loads in groups:
         if not group_rows and not group_loads:
             continue
@@ -272,10 +283,11 @@ def _run_vllm(
                 "max_requests": args.max_requests,
             },
             logs=args.out,
+            progress=functools.partial(server_progress, name),
         )
         row_results.update(servers[name]["rows"])
         load_results.update(servers[name]["loads"])
-        after_group(servers, row_results, load_results)
+        progress(servers, row_results, load_results)
     return servers, row_results, load_results
 
 
@@ -472,7 +484,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             word_ratio=word_ratio,
             state_scale=scale,
             budget=budget,
-            after_group=lambda done_servers, done_rows, done_loads: write(
+            progress=lambda done_servers, done_rows, done_loads: write(
                 done_servers, done_rows, done_loads, pending
             ),
         )

@@ -45,7 +45,7 @@ from vllm_d3.reference import ReferenceRuntime, RenderedQuestion
 from vllm_d3.reference import runtime as reference_runtime
 
 from .rows import Row
-from .timing import Budget, log, measure
+from .timing import Budget, RowGate, log, measure
 
 GIB = 2**30
 #: The reference's attention kernel when it is timed: torch's fused SDPA kernels.
@@ -189,11 +189,11 @@ def run_reference(
     log(f"reference up in {startup['first_answer_s']:.1f}s ({startup['weights']})")
     peaks = [torch.cuda.max_memory_allocated() / GIB] if cuda else []
     results: dict[str, Any] = {}
+    gate = RowGate(budget, warmup, "reference")
     try:
         for row in rows:
-            if budget.exhausted():
-                results[row.id] = {"status": "skipped (time budget)"}
-                log(f"reference: {row.id} skipped (time budget)")
+            if refusal := gate.refusal(row):
+                results[row.id] = {"status": refusal}
                 continue
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -211,6 +211,7 @@ def run_reference(
                 result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
                 peaks.append(result["peak_memory_gib"])
             results[row.id] = result
+            gate.measured(row, result["p50_s"])
             log(f"reference: {row.id} p50 {result['p50_s'] * 1e3:.1f} ms")
     finally:
         del runtime, answer

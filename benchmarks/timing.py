@@ -6,6 +6,12 @@ Contract:
 - ``Budget(seconds)`` is the run's time budget (``None``: unlimited).
   ``exhausted()`` says whether no new row may start; ``share(fraction)`` is a
   budget ending after ``fraction`` of what is left (for one phase of the run).
+- ``RowGate(budget, warmup, side)``: ``refusal(row)`` says (and logs, under
+  ``side``) why a row must not start (``None``: it may): the budget is spent,
+  or the row is long and the estimate of its warm-up plus one timed request is
+  longer than what is left. The estimate scales the p50 of the last long row
+  passed to ``measured(row, p50)`` by questions x (state tokens)^2, an upper
+  bound: a pass grows between linearly and quadratically with its length.
 - ``measure(call, requests, warmup=..., budget=...)`` calls ``call(request)``
   on the first ``warmup`` requests untimed, then times each of the others.
   Once the first timed call is done, another one starts only while the budget
@@ -20,6 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from .rows import Row
 
 _STARTED = time.perf_counter()
 
@@ -46,6 +54,41 @@ class Budget:
         if self.deadline is not None:
             part.deadline = time.perf_counter() + fraction * max(0.0, self.remaining())
         return part
+
+
+class RowGate:
+    def __init__(self, budget: Budget, warmup: int, side: str):
+        self.budget = budget
+        self.warmup = warmup
+        self.side = side
+        self.last_long: tuple[Row, float] | None = None
+
+    def estimate_s(self, row: Row) -> float | None:
+        if row.state_tokens is None or self.last_long is None:
+            return None
+        last, p50_s = self.last_long
+        assert last.state_tokens is not None
+        scale = (
+            row.questions / last.questions * (row.state_tokens / last.state_tokens) ** 2
+        )
+        return (self.warmup + 1) * p50_s * scale
+
+    def refusal(self, row: Row) -> str | None:
+        needed, left = self.estimate_s(row), self.budget.remaining()
+        if self.budget.exhausted():
+            refusal = "skipped (time budget)"
+        elif needed is not None and needed > left:
+            refusal = (
+                f"skipped (time budget: about {needed:.0f} s needed, {left:.0f} s left)"
+            )
+        else:
+            return None
+        log(f"{self.side}: {row.id} {refusal}")
+        return refusal
+
+    def measured(self, row: Row, p50_s: float) -> None:
+        if row.state_tokens is not None:
+            self.last_long = (row, p50_s)
 
 
 @dataclass

@@ -10,7 +10,9 @@ Contract:
   While the server lives, ``nvidia-smi`` is polled: the peak of
   ``memory.used`` (summed over the GPUs) less its value before the start.
   A row or load that fails is recorded as failed; a server that does not come
-  up fails every row of its group, with the end of its log.
+  up fails every row of its group, with the end of its log. ``progress(result)``
+  gets the server's result so far after start-up and after each row and load
+  (its peak memory once the server has stopped).
 - ``closed_loop(url, pool, clients, ...)``: ``clients`` threads, each sending
   the next request of ``pool`` (round robin) as soon as its previous one is
   answered. Requests answered with 200 inside the measuring window (after
@@ -25,6 +27,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from vllm_d3.testing.validation import Server, post
 
 from .reference_side import has_weights
 from .rows import Load, Row, question_count
-from .timing import Budget, log, measure
+from .timing import Budget, RowGate, log, measure
 
 REQUEST_TIMEOUT_S = 1800
 SERVER_START_TIMEOUT_S = 900
@@ -217,6 +220,7 @@ def run_group(
     budget: Budget,
     throughput: dict[str, float],
     logs: Path,
+    progress: Callable[[dict[str, Any]], object],
 ) -> dict[str, Any]:
     """One server: start-up, ``rows`` (warm-up requests first in
     ``requests[row.id]``), then ``loads`` with ``pools[load.mix]``;
@@ -232,6 +236,7 @@ def run_group(
     rows_out: dict[str, Any] = {}
     loads_out: dict[str, Any] = {}
     result["rows"], result["loads"] = rows_out, loads_out
+    result["memory"] = {"status": "pending (server running)"}
     log(f"vLLM {name}: starting vllm serve {' '.join(flags)}")
     poller = MemoryPoller()
     started = time.perf_counter()
@@ -256,14 +261,15 @@ def run_group(
             log(f"vLLM {name}: {failure}; see {log_file}")
             return result
         log(f"vLLM {name}: first answer {result['startup']['first_answer_s']:.0f}s")
+        progress(result)
 
         def call(request: dict[str, Any]) -> int:
             return _systemone(server.url, request)
 
+        gate = RowGate(budget, warmup, f"vLLM {name}")
         for row in rows:
-            if budget.exhausted():
-                rows_out[row.id] = {"status": "skipped (time budget)"}
-                log(f"vLLM {name}: {row.id} skipped (time budget)")
+            if refusal := gate.refusal(row):
+                rows_out[row.id] = {"status": refusal}
                 continue
             try:
                 timed = measure(call, requests[row.id], warmup=warmup, budget=budget)
@@ -274,7 +280,9 @@ def run_group(
                 log(f"vLLM {name}: {row.id} {rows_out[row.id]['status']}")
                 continue
             rows_out[row.id] = {**timed.summary(), "input_tokens": timed.outputs}
+            gate.measured(row, timed.p50_s)
             log(f"vLLM {name}: {row.id} p50 {timed.p50_s * 1e3:.1f} ms")
+            progress(result)
         for load in loads:
             if budget.exhausted():
                 loads_out[load.id] = {"status": "skipped (time budget)"}
@@ -295,6 +303,7 @@ def run_group(
                 else outcome["status"]
             )
             log(f"vLLM {name}: {load.id} {shown}")
+            progress(result)
         result["memory"] = poller.stop()
     result["memory_log"] = _log_lines(log_file, MEMORY_LOG, limit=12)
     return result

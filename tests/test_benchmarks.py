@@ -26,7 +26,7 @@ from benchmarks.rows import (
     row_requests,
     select,
 )
-from benchmarks.timing import Budget
+from benchmarks.timing import Budget, RowGate
 
 CUDA = torch.cuda.is_available()
 
@@ -135,6 +135,29 @@ def test_time_budget_skips_rows_and_says_so(smoke, tmp_path):
     )
 
 
+def test_row_gate_skips_a_long_row_that_cannot_finish():
+    state_24k, state_64k, state_117k = (
+        ROWS_BY_ID[i] for i in ("state-24k", "state-64k", "state-117k")
+    )
+    gate = RowGate(Budget(100), warmup=1, side="test")
+    # Nothing measured yet, and short rows: only a spent budget stops them.
+    assert gate.refusal(state_24k) is None
+    gate.measured(state_24k, 10.0)
+    assert gate.refusal(ROWS_BY_ID["text-64"]) is None
+    # 2 requests x 10 s x 2/4 questions x (64/24)^2 = 71 s: it fits.
+    assert gate.estimate_s(state_64k) == pytest.approx(2 * 10 * 0.5 * (64 / 24) ** 2)
+    assert gate.refusal(state_64k) is None
+    gate.measured(state_64k, 40.0)
+    # 2 x 40 s x (117/64)^2 = 267 s: more than the 100 s left.
+    refusal = gate.refusal(state_117k)
+    assert refusal is not None and refusal.startswith(
+        "skipped (time budget: about 267 s"
+    )
+    assert RowGate(Budget(0), warmup=1, side="test").refusal(ROWS_BY_ID["text-1"]) == (
+        "skipped (time budget)"
+    )
+
+
 def test_select_matches_patterns():
     ids = [r.id for r in LATENCY_ROWS]
     assert select(ids, None) == ids
@@ -203,6 +226,7 @@ def test_vllm_group_over_http(monkeypatch, tmp_path):
         row.id: row_requests(row, 3, seed=0, words_per_token=1.0) for row in rows
     }
     pool = requests["text-1"] + requests["text-4"]
+    snapshots: list[dict[str, Any]] = []
     result = vllm_side.run_group(
         str(tmp_path),
         "default",
@@ -216,7 +240,16 @@ def test_vllm_group_over_http(monkeypatch, tmp_path):
         budget=Budget(None),
         throughput={"warmup_s": 0.2, "duration_s": 0.5, "max_requests": 10_000},
         logs=tmp_path,
+        progress=lambda so_far: snapshots.append(json.loads(json.dumps(so_far))),
     )
+    # Saved after start-up, after each row and after the load.
+    assert [(list(s["rows"]), list(s["loads"])) for s in snapshots] == [
+        ([], []),
+        (["text-1"], []),
+        (["text-1", "text-4"], []),
+        (["text-1", "text-4"], ["tput-text-8"]),
+    ]
+    assert snapshots[-1]["memory"]["status"].startswith("pending")
     assert result["flags"][:2] == ["--load-format", "dummy"]  # no weights here
     assert result["startup"]["status"] == "ok"
     assert result["startup"]["max_model_len"] == 4096

@@ -60,3 +60,21 @@ def test_cpu_reference_avoids_gpu_only_kernels(make_checkpoint, fake_fla) -> Non
     expected = ReferenceRuntime(checkpoint).answer(REQUEST)
     stats = compare(flatten([expected]), flatten(got["set"]))
     assert stats["max_dp"] < 1e-6, stats
+
+
+def test_a_failed_engine_names_its_log_and_error(make_checkpoint, tmp_path) -> None:
+    job = validation.InProcess(
+        make_checkpoint(),
+        {"set": [REQUEST]},
+        tmp_path,
+        "broken",
+        False,
+        {"no_such_engine_arg": 1},
+    )
+    with pytest.raises(RuntimeError) as failure:
+        job.result()
+    message = str(failure.value)
+    assert "broken-inprocess.log" in message
+    assert "no_such_engine_arg" in message
+    assert message.split("): ", 1)[1].split(":", 1)[0].endswith("Error")
+    assert "Traceback" in (tmp_path / "broken-inprocess.log").read_text()

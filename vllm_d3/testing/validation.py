@@ -21,15 +21,14 @@ long states):
 It writes ``DIR/results.json`` and ``DIR/validation.md`` (generated from the run,
 with the GPU, versions and command; ``report`` rewrites the markdown from a
 ``results.json``). Each vLLM instance runs in a subprocess of this module
-(``inprocess``) or as a server: one at a time, or at once with ``--parallel``
-(each with ``PARALLEL_MEMORY`` of the GPU's memory and a fixed KV cache size:
-engines that profile their memory at the same moment count each other's
-allocations as their own). Without ``--dtype`` the text sets are also served in
-float32 in process, which takes rounding out of the comparison; ``--dtype
-float32`` serves everything in float32 instead of the checkpoint's dtype. The
-reference also runs on the GPU for the short text sets, a check that its GPU
-kernels agree with its CPU ones (the long states rely on them);
-``results.json`` keeps every answer.
+(``inprocess``, its output in ``WORK/<tag>-inprocess.log``) or as a server
+(``WORK/serve*.log``): one at a time, or at once with ``--parallel`` (each with
+``PARALLEL_MEMORY`` of the GPU's memory and a fixed KV cache size: engines that
+profile their memory at the same moment count each other's allocations as their
+own). A failure message ends with the log's last exception line. ``--dtype``
+serves in another dtype than the checkpoint's. The reference also runs on the
+GPU for the short text sets, a check that its GPU kernels agree with its CPU
+ones (the long states rely on them); ``results.json`` keeps every answer.
 """
 
 import argparse
@@ -272,6 +271,15 @@ def run_inprocess(
     Path(out_file).write_text(json.dumps(results))
 
 
+def last_error(log_file: Path) -> str:
+    """The last exception line of a subprocess's log (else its last line)."""
+    lines = [line.strip() for line in log_file.read_text().splitlines() if line.strip()]
+    errors = [
+        line for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception"))
+    ]
+    return (errors or lines or ["(empty log)"])[-1]
+
+
 class InProcess:
     """``run_inprocess`` in a subprocess of its own (one vLLM engine each)."""
 
@@ -292,14 +300,18 @@ class InProcess:
         command += ["--long"] if long else []
         command += [f"--engine-arg={k}={json.dumps(v)}" for k, v in engine_args.items()]
         self.tag = tag
-        self.process = subprocess.Popen(command)
+        self.log_file = work / f"{tag}-inprocess.log"
+        with self.log_file.open("w") as output:
+            self.process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT
+            )
 
     def result(self) -> dict:
         code = self.process.wait()
         if code != 0:
             raise RuntimeError(
-                f"the in-process run of {self.tag} exited with {code}; its output "
-                "is in the run's log"
+                f"the in-process run of {self.tag} exited with {code} "
+                f"({self.log_file.name}): {last_error(self.log_file)}"
             )
         return json.loads(self.out_file.read_text())
 
@@ -418,7 +430,10 @@ def run_http(
     ) as server:
         up = server.wait()
         if up < 0:
-            raise RuntimeError(f"vllm serve exited; see {server.log_file}")
+            raise RuntimeError(
+                f"vllm serve exited ({server.log_file.name}): "
+                f"{last_error(server.log_file)}"
+            )
         log(f"server up in {up:.0f}s")
         answers: dict[str, list[dict]] = {}
         latency: dict[str, list[float]] = {}
@@ -516,7 +531,6 @@ def _versions() -> dict[str, str]:
     }
 
 
-FLOAT32_TABLE = "prefix_bidir, in process, served with --dtype float32"
 #: Every table a complete run produces.
 EXPECTED_TABLES = (
     "prefix_bidir, HTTP /v1/systemone",
@@ -526,7 +540,6 @@ EXPECTED_TABLES = (
     "control: state size withheld (one block), in process",
     "causal checkpoint, in process",
     "noncausal_full_attention checkpoint, in process",
-    FLOAT32_TABLE,
     GPU_CHECK_TABLE,
 )
 
@@ -668,15 +681,10 @@ def run(
         long_states = any(n.startswith(LONG_SETS) for n in names)
         return InProcess(checkpoints[mode], names, work, mode, long_states, engine_args)
 
-    def in_float32() -> InProcess:
-        args = {**engine_args, "dtype": "float32"}
-        return InProcess(main, short_text, work, "float32", False, args)
-
     main_job = in_process("prefix_bidir", text_sets)
     jobs = (
         {mode: in_process(mode, short_text) for mode in other_modes} if parallel else {}
     )
-    float32_job = in_float32() if parallel and not dtype else None
     http = run_http(main, sets, work, long, engine_args)
     results["http"] = {k: v for k, v in http.items() if k != "answers"}
     answers["http"] = http["answers"]
@@ -715,9 +723,6 @@ def run(
         served_table(
             f"{mode} checkpoint, in process", f"{mode} in process", job, ref_modes[mode]
         )
-    if not dtype:
-        job = float32_job or in_float32()
-        served_table(FLOAT32_TABLE, "float32 in process", job, ref)
     results["prefix_caching"] = prefix_caching_refused(main, work)
     save()
     answers["reference on gpu"] = reference_answers(main, short_text, None, "cuda")
