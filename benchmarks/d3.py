@@ -38,7 +38,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import shlex
 import sys
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from typing import Any
 import torch
 
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
+from vllm_d3.testing.validation import LONG_MAX_MODEL_LEN, VALIDATED_LENGTH, versions
 
 from . import report
 from .reference_side import (
@@ -71,9 +71,6 @@ from .rows import (
 from .timing import Budget, log
 
 SMOKE_STATE_SCALE = 1 / 64
-LONG_MAX_MODEL_LEN = 131072
-#: d3-turbo declares it: vLLM's default max-model-len without a flag.
-VALIDATED_LENGTH = 32768
 SIDES = ("vllm", "reference")
 NOT_RUN_NO_CUDA = "not run (no CUDA)"
 
@@ -173,17 +170,7 @@ def interleave(groups: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def _environment() -> dict[str, Any]:
-    import transformers
-    import vllm
-
-    return {
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
-        "cpu_cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "vllm": vllm.__version__,
-    }
+    return {**versions(), "cpu_cores": os.cpu_count()}
 
 
 def _reference_throughput(

@@ -78,3 +78,17 @@ def test_a_failed_engine_names_its_log_and_error(make_checkpoint, tmp_path) -> N
     assert "no_such_engine_arg" in message
     assert message.split("): ", 1)[1].split(":", 1)[0].endswith("Error")
     assert "Traceback" in (tmp_path / "broken-inprocess.log").read_text()
+
+
+def test_a_server_that_exits_names_its_log_and_error(tmp_path) -> None:
+    log_file = tmp_path / "serve.log"
+    checkpoint = str(tmp_path / "no-such-checkpoint")
+    with (
+        validation.Server(checkpoint, log_file=log_file) as server,
+        pytest.raises(validation.ServerExited) as exited,
+    ):
+        server.wait(timeout=300)
+    message = str(exited.value)
+    assert str(log_file) in message
+    assert message.split("): ", 1)[1].split(":", 1)[0].endswith("Error")
+    assert "Traceback" in log_file.read_text()

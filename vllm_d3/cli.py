@@ -79,14 +79,15 @@ def reference_answers(model: str, device: str, dtype_name: str) -> dict[str, Any
 
 
 def serve_and_ask(model: str, serve_args: list[str]) -> dict[str, Any]:
-    from vllm_d3.testing.validation import Server, post
+    from vllm_d3.testing.validation import Server, ServerExited, post
 
     log_file = Path(tempfile.gettempdir()) / f"vllm-d3-demo-{os.getpid()}.log"
     step(f"starting vllm serve {model} (log: {log_file})")
     with Server(model, *serve_args, log_file=log_file) as server:
-        up = server.wait()
-        if up < 0:
-            raise SystemExit(f"vllm serve exited during start-up; see {log_file}")
+        try:
+            up = server.wait()
+        except ServerExited as exited:
+            raise SystemExit(str(exited)) from None
         step(f"server up in {up:.0f} s; asking /v1/systemone")
         status, body = post(server.url + "/v1/systemone", DEMO_REQUEST)
     step("server stopped")

@@ -53,6 +53,8 @@ SERVE_FLAGS = ["--gdn-prefill-backend", "triton"]
 LONG_MAX_MODEL_LEN = 131072
 PARALLEL_MEMORY = 0.15
 PARALLEL_KV_CACHE_BYTES = 4 * 2**30
+#: d3-turbo declares it (vLLM's max-model-len without a flag); so do the
+#: validation checkpoints.
 VALIDATED_LENGTH = 32768
 #: The request sets with long states (their names start so).
 LONG_SETS = ("24K", "64K")
@@ -336,8 +338,14 @@ def post(url: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
+class ServerExited(RuntimeError):
+    """``vllm serve`` ended before it answered ``/health``."""
+
+
 class Server:
-    """``vllm serve CHECKPOINT`` on loopback, stopped on exit."""
+    """``vllm serve CHECKPOINT`` on loopback, stopped on exit. ``wait`` returns
+    the seconds until ``/health`` answered, or raises ``ServerExited`` (naming
+    the log and its last error) if the process ended first."""
 
     def __init__(self, checkpoint: str, *flags: str, log_file: Path):
         self.port = _free_port()
@@ -356,15 +364,19 @@ class Server:
             *SERVE_FLAGS,
             *flags,
         ]
-        self.process = subprocess.Popen(
-            command, stdout=log_file.open("w"), stderr=subprocess.STDOUT
-        )
+        with log_file.open("w") as output:
+            self.process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT
+            )
 
     def wait(self, timeout: float = 480) -> float:
         started = time.time()
         while time.time() - started < timeout:
             if self.process.poll() is not None:
-                return -1.0
+                raise ServerExited(
+                    f"vllm serve exited during start-up (log: {self.log_file}): "
+                    f"{last_error(self.log_file)}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
                     return time.time() - started
@@ -429,11 +441,6 @@ def run_http(
         checkpoint, *flags, *engine_flags, log_file=work / "serve.log"
     ) as server:
         up = server.wait()
-        if up < 0:
-            raise RuntimeError(
-                f"vllm serve exited ({server.log_file.name}): "
-                f"{last_error(server.log_file)}"
-            )
         log(f"server up in {up:.0f}s")
         answers: dict[str, list[dict]] = {}
         latency: dict[str, list[float]] = {}
@@ -482,13 +489,16 @@ def prefix_caching_refused(checkpoint: str, work: Path) -> dict:
     with Server(
         checkpoint, "--enable-prefix-caching", log_file=work / "serve-pc.log"
     ) as server:
+        refused = False
         try:
-            up = server.wait(timeout=300)
+            server.wait(timeout=300)
+        except ServerExited:
+            refused = True
         except TimeoutError:
-            up = 0.0
+            pass
     text = server.log_file.read_text()
     return {
-        "refused": up < 0,
+        "refused": refused,
         "message_present": "do not support prefix caching" in text,
     }
 
@@ -517,7 +527,8 @@ def _table(rows: list[tuple[str, dict]], control: bool) -> list[str]:
     return lines
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
+    """The GPU and the versions a measured run reports."""
     import torch
     import transformers
     import vllm
@@ -637,7 +648,7 @@ def run(
     short_sets = {k: v for k, v in sets.items() if not k.startswith(LONG_SETS)}
     log(f"sets: {', '.join(f'{k} ({len(v)})' for k, v in sets.items())}")
 
-    results: dict[str, Any] = {"versions": _versions(), "tables": {}}
+    results: dict[str, Any] = {"versions": versions(), "tables": {}}
     # The oracle runs in float32 on the CPU, the same arithmetic whatever GPU
     # runs the engines; only the long states need the GPU.
     ref = reference_answers(main, short_sets, None, "cpu")
