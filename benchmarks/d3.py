@@ -1,7 +1,8 @@
 """Benchmark vLLM + vllm-d3 against the reference runtime on D3 requests.
 
 ``python -m benchmarks.d3 --out DIR [--smoke] [--rows PATTERNS] [--sides SIDES]
-[--repeats N] [--long-repeats N] [--warmup N] [--time-budget SECONDS] ...``
+[--repeats N] [--long-repeats N] [--warmup N] [--vllm-long-warmup N]
+[--time-budget SECONDS] ...``
 
 Contract:
 - Default (GPU) mode: a weight-less d3-turbo package (the exact Qwen3.5-27B
@@ -20,6 +21,9 @@ Contract:
 - Latency rows: ``rows.LATENCY_ROWS``; throughput loads:
   ``rows.THROUGHPUT_ROWS``. ``--rows`` keeps the ids matching any of its
   comma-separated ``fnmatch`` patterns (``text-*,tput-*``).
+- ``--vllm-long-warmup N`` (at most ``--warmup``): vLLM leaves out the first
+  ``warmup - N`` warm-up requests of each long-state row, so both sides still
+  time the same requests. The reference always sends ``--warmup``.
 - ``--time-budget``: no row or load starts once it is spent, nor a long row
   whose estimated time is longer than what is left (``timing.RowGate``), and
   a row stops repeating when the time left is shorter than its last request;
@@ -100,6 +104,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--warmup", type=int, help="untimed requests per row (1; smoke: 0)"
     )
+    parser.add_argument(
+        "--vllm-long-warmup",
+        type=int,
+        help="vLLM's untimed requests per long-state row, at most --warmup "
+        "(--warmup); the timed requests stay the reference's",
+    )
     parser.add_argument("--time-budget", type=float, help="seconds (unlimited)")
     parser.add_argument(
         "--reference-share",
@@ -141,8 +151,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.throughput_warmup = 2.0 if args.smoke else 5.0
     if args.long_repeats is None:
         args.long_repeats = args.repeats
+    if args.vllm_long_warmup is None:
+        args.vllm_long_warmup = args.warmup
     if min(args.repeats, args.long_repeats) < 1 or args.warmup < 0:
         parser.error("--repeats and --long-repeats need >= 1, --warmup >= 0")
+    if not 0 <= args.vllm_long_warmup <= args.warmup:
+        parser.error(
+            f"--vllm-long-warmup needs 0 to --warmup ({args.warmup}); "
+            f"got {args.vllm_long_warmup}"
+        )
     args.patterns = None if args.rows is None else args.rows.split(",")
     return args
 
@@ -263,6 +280,7 @@ def _run_vllm(
             pools,
             startup_request,
             warmup=args.warmup,
+            long_warmup=args.vllm_long_warmup,
             budget=budget,
             throughput={
                 "warmup_s": args.throughput_warmup,
@@ -442,6 +460,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "repeats": args.repeats,
         "long_repeats": args.long_repeats,
         "warmup": args.warmup,
+        "vllm_long_warmup": args.vllm_long_warmup,
         "time_budget_s": args.time_budget,
         "reference_share": args.reference_share,
         "reference": f"{ref_device}, {str(ref_dtype).removeprefix('torch.')}",

@@ -112,6 +112,15 @@ def _startup_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _vllm_long_warmup(settings: dict[str, Any]) -> str:
+    if settings["vllm_long_warmup"] == settings["warmup"]:
+        return ""
+    return (
+        f" ({settings['vllm_long_warmup']} for vLLM's long states: "
+        "it times the same requests)"
+    )
+
+
 def markdown(results: dict[str, Any]) -> str:
     settings = results["settings"]
     lines = [
@@ -124,9 +133,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"Checkpoint: {settings['shape']} shape, {settings['weights']}. "
         f"Latency: p50 of up to {settings['repeats']} timed requests "
         f"({settings['long_repeats']} for the long states) after "
-        f"{settings['warmup']} warm-up, one request at a time, each request "
-        "distinct. vLLM is timed over HTTP (`/v1/systemone`); the reference "
-        "in process (`answer(path='state_once')`, the state read once).",
+        f"{settings['warmup']} warm-up{_vllm_long_warmup(settings)}, one "
+        "request at a time, each request distinct. vLLM is timed over HTTP "
+        "(`/v1/systemone`); the reference in process "
+        "(`answer(path='state_once')`, the state read once).",
         "",
         "## Latency",
         "",

@@ -217,13 +217,15 @@ def run_group(
     startup_request: dict[str, Any],
     *,
     warmup: int,
+    long_warmup: int,
     budget: Budget,
     throughput: dict[str, float],
     logs: Path,
     progress: Callable[[dict[str, Any]], object],
 ) -> dict[str, Any]:
-    """One server: start-up, ``rows`` (warm-up requests first in
-    ``requests[row.id]``), then ``loads`` with ``pools[load.mix]``;
+    """One server: start-up, ``rows`` (``warmup`` warm-up requests first in
+    ``requests[row.id]``; a long-state row sends only the last ``long_warmup``
+    of them), then ``loads`` with ``pools[load.mix]``;
     ``throughput`` holds ``warmup_s``, ``duration_s`` and ``max_requests``;
     the server's log is ``logs/serve-NAME.log``."""
     flags = serve_flags(checkpoint, extra_flags)
@@ -265,13 +267,16 @@ def run_group(
         def call(request: dict[str, Any]) -> int:
             return _systemone(server.url, request)
 
-        gate = RowGate(budget, warmup, f"vLLM {name}")
+        # The gate estimates long rows only, so it counts their warm-up.
+        gate = RowGate(budget, long_warmup, f"vLLM {name}")
         for row in rows:
             if refusal := gate.refusal(row):
                 rows_out[row.id] = {"status": refusal}
                 continue
+            row_warmup = long_warmup if row.long else warmup
+            sent = requests[row.id][warmup - row_warmup :]
             try:
-                timed = measure(call, requests[row.id], warmup=warmup, budget=budget)
+                timed = measure(call, sent, warmup=row_warmup, budget=budget)
             except Exception as error:  # one row failing must not end the run
                 rows_out[row.id] = {
                     "status": f"failed: {type(error).__name__}: {str(error)[:300]}"

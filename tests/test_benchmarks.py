@@ -195,16 +195,22 @@ class _StubHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.bodies.append(body)  # type: ignore[attr-defined]
         tokens = 100 * len(body["questions"])
         self._reply({"answers": [], "usage": {"input_tokens": tokens}})
 
 
 class _StubServer:
-    """Stands in for ``validation.Server``: the stub on loopback."""
+    """Stands in for ``validation.Server``: the stub on loopback. ``last`` is
+    the latest one started; its ``httpd.bodies`` are the requests it got."""
+
+    last: _StubServer | None = None
 
     def __init__(self, checkpoint: str, *flags: str, log_file: Path):
         log_file.write_text("INFO Model loading took 1.0 GiB\n")
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _StubHandler)
+        self.httpd.bodies = []  # type: ignore[attr-defined]
+        _StubServer.last = self
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -237,6 +243,7 @@ def test_vllm_group_over_http(monkeypatch, tmp_path):
         {"text": pool},
         requests["text-1"][0],
         warmup=1,
+        long_warmup=1,
         budget=Budget(None),
         throughput={"warmup_s": 0.2, "duration_s": 0.5, "max_requests": 10_000},
         logs=tmp_path,
@@ -264,6 +271,51 @@ def test_vllm_group_over_http(monkeypatch, tmp_path):
     assert result["memory_log"] == ["INFO Model loading took 1.0 GiB"]
 
 
+def test_vllm_long_rows_leave_out_warmups_but_time_the_same_requests(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setattr(vllm_side, "Server", _StubServer)
+    short, long = ROWS_BY_ID["text-1"], ROWS_BY_ID["state-24k"]
+    requests = {
+        row.id: row_requests(
+            row, 4, seed=0, words_per_token=1.0, state_scale=d3.SMOKE_STATE_SCALE
+        )
+        for row in (short, long)
+    }
+    startup = row_requests(ROWS_BY_ID["text-4"], 1, seed=9, words_per_token=1.0)[0]
+    result = vllm_side.run_group(
+        str(tmp_path),
+        "long",
+        [],
+        [short, long],
+        requests,
+        [],
+        {},
+        startup,
+        warmup=2,
+        long_warmup=0,
+        budget=Budget(None),
+        throughput={"warmup_s": 0.0, "duration_s": 0.0, "max_requests": 0},
+        logs=tmp_path,
+        progress=lambda so_far: None,
+    )
+    assert _StubServer.last is not None
+    sent = _StubServer.last.httpd.bodies  # type: ignore[attr-defined]
+    # Start-up, every short request, then only the long row's timed ones.
+    assert sent == [startup, *requests[short.id], *requests[long.id][2:]]
+    assert len(result["rows"][short.id]["warmup_s"]) == 2
+    assert result["rows"][long.id]["warmup_s"] == []
+    assert result["rows"][long.id]["repeats"] == 2
+
+
+def test_vllm_long_warmup_cannot_exceed_warmup():
+    args = d3.parse_args(["--out", "x", "--warmup", "2", "--vllm-long-warmup", "0"])
+    assert (args.warmup, args.vllm_long_warmup) == (2, 0)
+    assert d3.parse_args(["--out", "x", "--warmup", "2"]).vllm_long_warmup == 2
+    with pytest.raises(SystemExit):
+        d3.parse_args(["--out", "x", "--warmup", "1", "--vllm-long-warmup", "2"])
+
+
 def test_closed_loop_stops_at_the_request_cap(monkeypatch, tmp_path):
     with _StubServer("", log_file=tmp_path / "log") as server:
         pool = row_requests(ROWS_BY_ID["text-1"], 2, seed=0, words_per_token=1.0)
@@ -287,11 +339,14 @@ def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
     argv += ["--rows", "text-1,text-4,state-24k,tput-text-8"]
     argv += ["--reference-device", "cpu"]
     argv += ["--throughput-seconds", "0.5", "--throughput-warmup", "0.1"]
+    argv += ["--warmup", "1", "--vllm-long-warmup", "0"]
     d3.main(argv)
     results = json.loads((tmp_path / "results.json").read_text())
     assert list(results["vllm_servers"]) == ["default"]
     for row in results["latency"]:
         assert row["vllm"]["status"] == "ok"
+        assert len(row["vllm"]["warmup_s"]) == (0 if row["long"] else 1)
+        assert len(row["reference"]["warmup_s"]) == 1
         assert row["ratio"] == pytest.approx(
             row["vllm"]["p50_s"] / row["reference"]["p50_s"]
         )
@@ -303,5 +358,6 @@ def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
     assert load["reference"]["status"].startswith("not run")
     assert load["ratio"] is None
     text = (tmp_path / "results.md").read_text()
+    assert "1 warm-up (0 for vLLM's long states: it times the same" in text
     assert "(usage.input_tokens [100])" in text
     assert "default server (`--gdn-prefill-backend triton --load-format" in text
