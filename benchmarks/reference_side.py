@@ -43,6 +43,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
 
 from vllm_d3.reference import ReferenceRuntime, RenderedQuestion
 from vllm_d3.reference import runtime as reference_runtime
+from vllm_d3.testing.validation import GPU_ONLY_KERNEL_PACKAGES
 
 from .rows import Row
 from .timing import Budget, RowGate, log, measure
@@ -127,7 +128,7 @@ def gdn_kernels() -> dict[str, bool]:
     them it runs its (much slower) PyTorch reference implementation."""
     return {
         name: importlib.util.find_spec(name) is not None
-        for name in ("fla", "causal_conv1d")
+        for name in GPU_ONLY_KERNEL_PACKAGES
     }
 
 

@@ -26,13 +26,12 @@ import re
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from vllm_d3.testing import validation
-from vllm_d3.testing.validation import Server, post
+from vllm_d3.testing.validation import Server, post, served_max_model_len
 
 from .reference_side import has_weights
 from .rows import Load, Row, question_count
@@ -115,12 +114,11 @@ def _systemone(url: str, request: dict[str, Any]) -> int:
 
 
 def _served_max_model_len(url: str) -> int | None:
+    """The server's ``max_model_len``, or ``None`` where it does not say."""
     try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=30) as reply:
-            models = json.loads(reply.read())["data"]
-    except (OSError, ValueError, KeyError):
+        return served_max_model_len(url, timeout=30)
+    except (OSError, ValueError, LookupError):
         return None
-    return models[0].get("max_model_len") if models else None
 
 
 def _log_lines(path: Path, pattern: re.Pattern[str], limit: int) -> list[str]:

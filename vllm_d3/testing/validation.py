@@ -338,6 +338,12 @@ def post(url: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
+def served_max_model_len(url: str, timeout: float) -> int:
+    """The ``max_model_len`` the server at ``url`` reports on ``/v1/models``."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=timeout) as reply:
+        return json.loads(reply.read())["data"][0]["max_model_len"]
+
+
 class ServerExited(RuntimeError):
     """``vllm serve`` ended before it answered ``/health``."""
 
@@ -460,8 +466,7 @@ def run_http(
             .render(sets["text, 1 question"][0])[0]
             .token_ids
         )
-        with urllib.request.urlopen(server.url + "/v1/models", timeout=10) as reply:
-            max_len = json.loads(reply.read())["data"][0]["max_model_len"]
+        max_len = served_max_model_len(server.url, timeout=10)
         rejected = []
         for what, route, body in bad_inputs(ids, max_len):
             status, reply = post(server.url + route, body)
