@@ -14,6 +14,7 @@ Contract:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,19 @@ def _gib(value: float | None) -> str:
     return "" if value is None else f"{value:.1f}"
 
 
+def _side_cells(
+    entry: dict[str, Any],
+    render: Callable[[dict[str, Any]], list[str]],
+    width: int = 1,
+) -> list[str]:
+    """vLLM's ``width`` cells then the reference's: ``render(side)`` where the
+    side was measured, else its status and blanks."""
+    cells: list[str] = []
+    for side in (entry["vllm"], entry["reference"]):
+        cells += render(side) if _ok(side) else [_status(side)] + [""] * (width - 1)
+    return cells
+
+
 def _latency_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| row | questions | state tokens | vLLM p50 (ms) | reference p50 (ms) "
@@ -47,9 +61,7 @@ def _latency_table(rows: list[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        cells = []
-        for side in (row["vllm"], row["reference"]):
-            cells.append(_ms(side["p50_s"]) if _ok(side) else _status(side))
+        cells = _side_cells(row, lambda side: [_ms(side["p50_s"])])
         tokens_vllm = f"{row['tokens_vllm']:,}"
         if _ok(row["vllm"]) and not row["vllm"]["usage_matches_render"]:
             tokens_vllm += f" (usage.input_tokens {row['vllm']['input_tokens']})"
@@ -70,15 +82,14 @@ def _throughput_table(loads: list[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for load in loads:
-        cells = []
-        for side in (load["vllm"], load["reference"]):
-            if _ok(side):
-                cells += [
-                    f"{side['requests_per_s']:.2f}",
-                    f"{side['questions_per_s']:.1f}",
-                ]
-            else:
-                cells += [_status(side), ""]
+        cells = _side_cells(
+            load,
+            lambda side: [
+                f"{side['requests_per_s']:.2f}",
+                f"{side['questions_per_s']:.1f}",
+            ],
+            width=2,
+        )
         lines.append(
             f"| {load['mix']} | {load['clients']} | {' | '.join(cells)} "
             f"| {_ratio(load['ratio'])} |"
