@@ -2,11 +2,14 @@
 
 The model is built on the CPU from a tiny checkpoint; the state's ``prepare_attn``
 runs vLLM's own hybrid ``prepare_attn`` and ``build_attn_metadata`` into the real
-Triton attention metadata builder, whose range tensor is what the kernel reads.
+attention metadata builders: Triton's, whose range tensor is what the ranged
+kernel reads, and the D3 composite's FlashAttention builder, whose virtual
+sequences (cu_seqlens, seqused_k, block-table rows) are what FlashAttention reads.
 """
 
 import socket
 
+import numpy as np
 import pytest
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
@@ -17,6 +20,7 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.models import d3 as upstream_d3
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.pooling_params import PoolingParams
@@ -33,6 +37,9 @@ from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.utils import AttentionGroup
 
+from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
+    D3PrefixBidirAttentionBackend,
+)
 from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import D3PrefixBidirModelState
 
 CPU = torch.device("cpu")
@@ -122,15 +129,24 @@ def state(make_checkpoint, monkeypatch):
         yield D3PrefixBidirModelState(config, model, None, CPU), config
 
 
-def triton_metadata(state_and_config, req_ids, prompt_lens):
+def attention_metadata(
+    state_and_config, req_ids, prompt_lens, backend=TritonAttentionBackend
+):
     """Run the state's prepare_attn over one prefill batch of whole prompts."""
     model_state, config = state_and_config
     spec = FullAttentionSpec(
         block_size=16, num_kv_heads=1, head_size=256, dtype=torch.bfloat16
     )
+    # One of the model's own full-attention layers (the composite's routing
+    # reads the layers of its group).
+    layer = next(
+        name
+        for name, module in config.compilation_config.static_forward_context.items()
+        if isinstance(module, Attention)
+    )
     group = AttentionGroup(
-        backend=TritonAttentionBackend,
-        layer_names=["full"],
+        backend=backend,
+        layer_names=[layer],
         kv_cache_spec=spec,
         kv_cache_group_id=0,
     )
@@ -138,21 +154,34 @@ def triton_metadata(state_and_config, req_ids, prompt_lens):
     kv_cache_config = KVCacheConfig(
         num_blocks=64,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["full"], spec)],
+        kv_cache_groups=[KVCacheGroupSpec([layer], spec)],
     )
     num_tokens = sum(prompt_lens)
     batch = InputBatch.make_dummy(len(req_ids), num_tokens, InputBuffers(8, 256, CPU))
     batch.req_ids[:] = req_ids
+    # Each row scheduled whole in this step, as the runner schedules D3 prompts
+    # (the dummy batch splits its tokens evenly instead).
+    lens = np.asarray(prompt_lens, dtype=np.int32)
+    batch.num_scheduled_tokens[:] = lens
+    batch.query_start_loc_np[1:] = np.cumsum(lens)
+    batch.query_start_loc.copy_(torch.from_numpy(batch.query_start_loc_np))
+    batch.seq_lens.copy_(torch.from_numpy(lens))
+    batch.seq_lens_cpu_upper_bound.copy_(torch.from_numpy(lens))
+    batch.max_query_len = int(lens.max())
     with set_current_vllm_config(config):
         metadata = model_state.prepare_attn(
             batch,
             CUDAGraphMode.NONE,
-            (torch.zeros(len(req_ids), 16, dtype=torch.int32),),
+            # Row r's blocks are 100 r, 100 r + 1, ...: each row is recognisable.
+            (
+                100 * torch.arange(len(req_ids), dtype=torch.int32)[:, None]
+                + torch.arange(16, dtype=torch.int32),
+            ),
             torch.zeros(1, num_tokens, dtype=torch.int64),
             [[group]],
             kv_cache_config,
         )
-    return metadata["full"]
+    return metadata[layer]
 
 
 def dense_mask(ranges: list[tuple[int, int]], n: int) -> torch.Tensor:
@@ -182,12 +211,50 @@ def test_ranges_reach_the_triton_builder(state):
         model_state.add_request(index, new_request(req_id, n, {"d3_state_tokens": s}))
     # A batch in another order than the requests were added.
     order = ["c", "a", "d", "b"]
-    metadata = triton_metadata(state, order, [requests[r][0] for r in order])
+    metadata = attention_metadata(state, order, [requests[r][0] for r in order])
     for row, req_id in enumerate(order):
         n, s = requests[req_id]
         assert metadata.mm_prefix_range[row] == [(0, s - 1), (s, n - 1)]
         ranges = [tuple(r) for r in metadata.mm_prefix_range_tensor[row].tolist()]
         assert torch.equal(dense_mask(ranges, n), prefix_bidir_mask(s, n))
+
+
+def test_ranges_become_dense_pieces_for_flash_attention(state):
+    model_state, _ = state
+    requests = {"a": (10, 4), "b": (7, 7), "c": (5, 1), "d": (40, 20)}
+    for index, (req_id, (n, s)) in enumerate(requests.items()):
+        model_state.add_request(index, new_request(req_id, n, {"d3_state_tokens": s}))
+    order = ["d", "b", "a", "c"]
+    metadata = attention_metadata(
+        state, order, [requests[r][0] for r in order], D3PrefixBidirAttentionBackend
+    )
+    assert metadata._attention_backend_variant == 1  # the FlashAttention child
+    assert metadata.causal is False
+    assert metadata.mm_prefix_query_range_tensor is None
+    cu_seqlens = metadata.query_start_loc.tolist()
+    seqused_k = metadata.seq_lens.tolist()
+    table = metadata.block_table.tolist()
+    assert len(cu_seqlens) == len(seqused_k) + 1 == len(table) + 1
+    # Rebuild each prompt's mask from the virtual sequences: every query of a
+    # sequence sees keys [0, seqused_k) of the row its block-table row names.
+    starts = [0]
+    for req_id in order:
+        starts.append(starts[-1] + requests[req_id][0])
+    masks = {
+        r: torch.zeros(requests[r][0], requests[r][0], dtype=torch.bool) for r in order
+    }
+    for piece, keys in enumerate(seqused_k):
+        row = table[piece][0] // 100
+        assert table[piece] == [100 * row + b for b in range(16)]
+        req_id = order[row]
+        first, last = (
+            cu_seqlens[piece] - starts[row],
+            cu_seqlens[piece + 1] - starts[row],
+        )
+        assert 0 <= first < last <= requests[req_id][0]
+        masks[req_id][first:last, :keys] = True
+    for req_id, (n, s) in requests.items():
+        assert torch.equal(masks[req_id], prefix_bidir_mask(s, n))
 
 
 def test_removed_requests_are_forgotten(state):
@@ -206,7 +273,7 @@ def test_warmup_requests_are_split_in_two(state):
 
 
 def test_dummy_rows_get_no_ranges(state):
-    metadata = triton_metadata(state, ["dummy_0", "dummy_1"], [5, 6])
+    metadata = attention_metadata(state, ["dummy_0", "dummy_1"], [5, 6])
     assert not metadata.mm_prefix_range
     assert metadata.mm_prefix_range_tensor is None
 

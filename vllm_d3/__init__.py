@@ -10,12 +10,19 @@ subprocess). It is idempotent and installs, through vLLM's registries:
 - ``MODEL_ARCH_CONFIG_CONVERTORS["qwen3_5"]``: checkpoint detection that turns
   ``is_mm_prefix_lm`` on for ``prefix_bidir``
 - ``READ_STRATEGIES``: the D3 read strategy that sends ``d3_state_tokens``
+- the attention backend registry: ``AttentionBackendEnum.CUSTOM`` ->
+  ``D3PrefixBidirAttentionBackend`` (dense pieces on FlashAttention 3), unless
+  another plugin registered ``CUSTOM`` first
 - the two monkeypatches of ``vllm_d3.patches``
 
 and logs once per process, at INFO, what it installed.
 """
 
 ARCHITECTURE = "D3ForSequenceClassification"
+#: The dense-piece attention backend, registered as vLLM's ``CUSTOM`` backend.
+DENSE_ATTENTION_BACKEND = (
+    "vllm_d3.v1.attention.backends.d3_prefix_bidir.D3PrefixBidirAttentionBackend"
+)
 _installed: list[str] = []
 
 
@@ -33,6 +40,10 @@ def register() -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.transformers_utils.model_arch_config_convertor import (
         MODEL_ARCH_CONFIG_CONVERTORS,
+    )
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
     )
 
     from . import patches
@@ -59,4 +70,14 @@ def register() -> None:
     )
     # Under the "vllm" logger, so that it shares vLLM's handlers and level.
     logger = init_logger(f"vllm.{__name__}")
+    custom = AttentionBackendEnum.CUSTOM
+    if not custom.is_overridden() or custom.get_path() == DENSE_ATTENTION_BACKEND:
+        register_backend(custom, DENSE_ATTENTION_BACKEND)
+        _installed.append("AttentionBackendEnum.CUSTOM")
+    else:
+        logger.warning(
+            "vllm-d3: the CUSTOM attention backend is already %s; prefix_bidir "
+            "checkpoints keep vLLM's ranged attention",
+            custom.get_path(),
+        )
     logger.info("vllm-d3 installed its D3 hooks: %s", ", ".join(_installed))

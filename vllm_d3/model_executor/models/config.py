@@ -13,6 +13,10 @@
 - At the ``VllmConfig`` level a prefix_bidir checkpoint refuses Model Runner V1
   (it cannot pass the ranges) and prefix caching or chunked prefill (a state block
   must be computed whole, with its own mask).
+- Its full-attention layers get the dense-piece backend (``D3_PREFIX_BIDIR``,
+  registered as vLLM's ``CUSTOM``) through ``attention_config.backend_per_kind``
+  when the platform runs it and the user chose no attention backend; otherwise
+  vLLM's own selection (ranged Triton) stays. The log says which, and why.
 """
 
 from typing import TYPE_CHECKING
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 from vllm.model_executor.models import config as upstream
 
-from vllm_d3 import installed_hooks
+from vllm_d3 import DENSE_ATTENTION_BACKEND, installed_hooks
 
 from .d3_contract import (
     attention_mode_of,
@@ -62,6 +66,46 @@ def _apply_validated_length(model_config: "ModelConfig", validated_length: int) 
         "(pass --max-model-len to override)",
         validated_length,
     )
+
+
+def _select_full_attention(vllm_config: "VllmConfig") -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import KVCacheSpecKind
+
+    from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
+        BACKEND_NAME,
+        dense_attention_unavailable,
+    )
+
+    attention = vllm_config.attention_config
+    kind = KVCacheSpecKind.FULL_ATTENTION.value
+    custom = AttentionBackendEnum.CUSTOM
+    chosen = attention.backend_per_kind.get(kind, attention.backend)
+    reason: str | None
+    if chosen is not None:
+        reason = f"{chosen.name} was chosen"
+    elif not custom.is_overridden() or custom.get_path() != DENSE_ATTENTION_BACKEND:
+        reason = "the CUSTOM attention backend belongs to another plugin"
+    elif attention.flash_attn_version not in (None, 3):
+        reason = f"FlashAttention {attention.flash_attn_version} was chosen"
+    else:
+        reason = dense_attention_unavailable()
+    if reason is None:
+        attention.backend_per_kind[kind] = custom
+        logger.info(
+            "D3 prefix_bidir: full-attention layers on %s (FlashAttention 3 over "
+            "dense state and question pieces; ranged Triton for a batch that does "
+            "not split into them). --attention-backend TRITON_FLASH_ATTN selects "
+            "vLLM's ranged attention instead.",
+            BACKEND_NAME,
+        )
+    else:
+        logger.info(
+            "D3 prefix_bidir: full-attention layers on vLLM's own selection "
+            "(ranged attention), not %s: %s",
+            BACKEND_NAME,
+            reason,
+        )
 
 
 class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConfig):
@@ -128,3 +172,4 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
                 "D3 prefix_bidir checkpoints do not support chunked prefill: a state "
                 "or question block must be read whole. Drop --enable-chunked-prefill."
             )
+        _select_full_attention(vllm_config)
