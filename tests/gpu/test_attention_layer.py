@@ -1,0 +1,82 @@
+"""GPU: the dense-piece attention against ranged Triton and a PyTorch reference.
+
+A full-attention layer at d3-turbo's head shape (24 query / 4 KV heads,
+head_dim 256, bf16) is built by vLLM for a prefix_bidir checkpoint, with the
+plugin's config hook, so its backend is the D3 composite
+(``vllm_d3.testing.attention_layer``). On random queries and a random paged KV
+cache, the dense pieces (FlashAttention 3), the ranged Triton child and a float32
+PyTorch attention whose mask is written from the definition must agree, for
+single prompts and mixed batches, fresh (c = 0) and partly computed (c > 0).
+"""
+
+import pytest
+
+from vllm_d3.testing.attention_layer import FullAttentionLayer, Prompt
+
+pytestmark = pytest.mark.gpu
+
+#: bf16 inputs, fp32 softmax: |output| is about 0.1-1 here.
+TOLERANCE = 2e-2
+BLOCK_SIZE = 800  # vLLM's block size for d3-turbo's hybrid KV cache here
+
+BATCHES = {
+    "one token": [Prompt(1, 1)],
+    "state only": [Prompt(300, 300)],
+    "one state token": [Prompt(1, 200)],
+    "state across blocks": [Prompt(1700, 1850)],
+    "mixed batch": [
+        Prompt(300, 450),
+        Prompt(1, 37),
+        Prompt(1000, 1000),
+        Prompt(800, 801),
+        Prompt(2000, 2150),
+    ],
+    "partly computed, c < s": [Prompt(900, 1100, computed=400)],
+    "partly computed, c >= s": [Prompt(500, 800, computed=600)],
+    "mixed, some computed": [Prompt(600, 700, computed=100), Prompt(50, 900)],
+}
+
+
+@pytest.fixture(scope="module")
+def layer(tmp_path_factory):
+    from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("turbo"), shape="d3-turbo", weights=False
+    )
+    return FullAttentionLayer(
+        str(path), BLOCK_SIZE, max_prompt_len=4096, max_batch_tokens=8192, num_blocks=32
+    )
+
+
+@pytest.mark.parametrize("name", BATCHES)
+def test_dense_pieces_match_ranged_triton_and_the_reference(layer, name):
+    prompts = BATCHES[name]
+    assert layer.routed_path(prompts) == "dense"
+    query = layer.random_query(prompts)
+    expected = layer.reference(prompts, query)
+    dense = layer.forward(query, layer.metadata(prompts, "dense"))
+    ranged = layer.forward(query, layer.metadata(prompts, "ranged"))
+    assert (dense.float() - expected.float()).abs().max() < TOLERANCE
+    assert (ranged.float() - expected.float()).abs().max() < TOLERANCE
+    assert (dense.float() - ranged.float()).abs().max() < TOLERANCE
+
+
+def test_the_check_sees_a_wrong_mask(layer):
+    # The same batch without ranges is plain causal FlashAttention: far from
+    # the prefix_bidir reference, so the comparisons above can fail.
+    prompts = [Prompt(1700, 1850)]
+    query = layer.random_query(prompts)
+    expected = layer.reference(prompts, query)
+    common = layer.common_metadata(prompts)
+    common.mm_req_doc_ranges = None
+    causal = layer.builder.build(0, common)
+    wrong = layer.forward(query, causal)
+    assert (wrong.float() - expected.float()).abs().max() > 10 * TOLERANCE
+
+
+def test_the_served_layer_has_the_d3_backend(layer):
+    # vLLM's selector, given the config the plugin's hook made, chose the
+    # composite for the full-attention kind; the reference needs nothing else.
+    attention = layer.config.attention_config
+    assert attention.backend_per_kind["full_attention"].name == "CUSTOM"

@@ -1,0 +1,231 @@
+"""One full-attention layer of a D3 checkpoint, served by vLLM's own classes.
+
+``FullAttentionLayer(checkpoint, block_size)`` builds the engine config vLLM
+builds for ``vllm serve checkpoint`` (the plugin's config hook included), a
+real ``Attention`` layer at the checkpoint's head shape (so vLLM's selector picks
+its backend), a paged bf16/fp16 KV cache of random keys and values, and the
+backend's metadata builder. ``forward(prompts, query, path)`` then runs one
+prefill step over whole prompts the way the model runner does: the batch's
+``CommonAttentionMetadata`` carries each prompt's two PrefixLM ranges, the
+builder makes the metadata, and the layer's impl computes the attention.
+
+``path`` picks the child of the D3 composite: ``"dense"`` (FlashAttention 3
+over the plugin's dense pieces) or ``"ranged"`` (vLLM's ranged Triton), so
+both are measured and checked on the same inputs. ``reference`` is an
+independent float32 PyTorch attention with the prefix_bidir mask written out
+from its definition. CUDA only: the GPU test and the attention benchmark use it.
+"""
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.attention.attention import Attention
+from vllm.utils.math_utils import cdiv
+from vllm.utils.torch_utils import set_default_torch_dtype
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
+    D3PrefixBidirAttentionBackend,
+    DensePieceRouting,
+)
+
+#: Which child of the composite serves each path (``DensePieceRouting``).
+PATH_VARIANTS = {"ranged": 0, "dense": 1}
+_layer_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt of ``prompt_len`` tokens whose first ``state_tokens`` are the
+    state; ``computed`` tokens were computed in earlier steps."""
+
+    state_tokens: int
+    prompt_len: int
+    computed: int = 0
+
+    @property
+    def query_len(self) -> int:
+        return self.prompt_len - self.computed
+
+
+def attention_pairs(prompt: Prompt) -> int:
+    """(query, key) pairs the prefix_bidir mask allows for the prompt's queries."""
+    s, n, c = prompt.state_tokens, prompt.prompt_len, prompt.computed
+    return max(s - c, 0) * s + (n - max(s, c)) * n
+
+
+class FullAttentionLayer:
+    def __init__(
+        self,
+        checkpoint: str,
+        block_size: int,
+        *,
+        max_prompt_len: int,
+        max_batch_tokens: int,
+        num_blocks: int,
+    ) -> None:
+        self.device = torch.device("cuda")
+        self.block_size = block_size
+        self.config = EngineArgs(
+            model=checkpoint,
+            max_model_len=max_prompt_len,
+            max_num_batched_tokens=max_batch_tokens,
+            load_format="dummy",
+        ).create_engine_config()
+        text = self.config.model_config.hf_text_config
+        self.num_heads = text.num_attention_heads
+        self.num_kv_heads = text.num_key_value_heads
+        self.head_size = text.head_dim
+        dtype = self.config.model_config.dtype
+        assert isinstance(dtype, torch.dtype)  # resolved by create_engine_config
+        self.dtype = dtype
+        # The layer takes the model's dtype from torch's default, as in model init.
+        with set_current_vllm_config(self.config), set_default_torch_dtype(dtype):
+            self.layer = Attention(
+                self.num_heads,
+                self.head_size,
+                self.head_size**-0.5,
+                num_kv_heads=self.num_kv_heads,
+                cache_config=self.config.cache_config,
+                prefix=f"d3_attention_check.{next(_layer_ids)}.attn",
+            ).to(self.device)
+            if self.layer.attn_backend is not D3PrefixBidirAttentionBackend:
+                raise RuntimeError(
+                    f"vLLM selected {self.layer.attn_backend.get_name()} for the "
+                    "prefix_bidir full-attention layer, not the D3 composite"
+                )
+            spec = FullAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=self.num_kv_heads,
+                head_size=self.head_size,
+                dtype=self.dtype,
+            )
+            self.builder = D3PrefixBidirAttentionBackend.get_builder_cls()(
+                spec, [self.layer.layer_name], self.config, self.device
+            )
+        # vLLM hands attention a logical (blocks, kv_heads, block_size,
+        # 2 * head_size) view; here the tokens of a block are outermost in memory.
+        pages = torch.randn(
+            (num_blocks, block_size, self.num_kv_heads, 2 * self.head_size),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.kv_cache = pages.transpose(1, 2)
+
+    def random_query(self, prompts: list[Prompt], seed: int = 0) -> torch.Tensor:
+        generator = torch.Generator(self.device).manual_seed(seed)
+        num_tokens = sum(p.query_len for p in prompts)
+        return torch.randn(
+            (num_tokens, self.num_heads, self.head_size),
+            generator=generator,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def block_table(self, prompts: list[Prompt]) -> torch.Tensor:
+        """Each prompt on its own consecutive blocks, in batch order."""
+        blocks = [cdiv(p.prompt_len, self.block_size) for p in prompts]
+        table = torch.zeros((len(prompts), max(blocks)), dtype=torch.int32)
+        first = 0
+        for row, count in enumerate(blocks):
+            table[row, :count] = torch.arange(first, first + count)
+            first += count
+        if first > self.kv_cache.shape[0]:
+            raise ValueError(f"{first} blocks needed, the cache has fewer")
+        return table.to(self.device)
+
+    def common_metadata(self, prompts: list[Prompt]) -> CommonAttentionMetadata:
+        """One prefill step as the model runner describes it to the builders."""
+        query_lens = torch.tensor([p.query_len for p in prompts], dtype=torch.int32)
+        query_start_loc = torch.zeros(len(prompts) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.cumsum(query_lens, 0)
+        seq_lens = torch.tensor([p.prompt_len for p in prompts], dtype=torch.int32)
+        num_tokens = int(query_start_loc[-1])
+        return CommonAttentionMetadata(
+            query_start_loc=query_start_loc.to(self.device),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=seq_lens.to(self.device),
+            seq_lens_cpu_upper_bound=seq_lens,
+            num_reqs=len(prompts),
+            num_actual_tokens=num_tokens,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=self.block_table(prompts),
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+            mm_req_doc_ranges={
+                row: [(0, p.state_tokens - 1), (p.state_tokens, p.prompt_len - 1)]
+                for row, p in enumerate(prompts)
+            },
+        )
+
+    def routed_path(self, prompts: list[Prompt]) -> str:
+        """The path ``DensePieceRouting`` picks for this batch."""
+        variant = DensePieceRouting([], self.config).select(
+            self.common_metadata(prompts)
+        )
+        return next(name for name, v in PATH_VARIANTS.items() if v == variant)
+
+    def metadata(self, prompts: list[Prompt], path: str):
+        """The attention metadata the chosen child's builder makes."""
+        common = self.common_metadata(prompts)
+        variant = PATH_VARIANTS[path]
+        builder = (self.builder.general_builder, self.builder.causal_builder)[variant]
+        metadata = builder.build(common_prefix_len=0, common_attn_metadata=common)
+        # What the composite's own build records for its forward to dispatch on.
+        metadata._attention_backend_variant = variant
+        return metadata
+
+    def forward(
+        self, query: torch.Tensor, metadata, output: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if output is None:
+            output = torch.empty_like(query)
+        # Prefill attention reads keys and values from the cache only.
+        self.layer.impl.forward(
+            self.layer,  # type: ignore[arg-type]
+            query,
+            query,
+            query,
+            self.kv_cache,
+            metadata,
+            output,
+        )
+        return output
+
+    def cached_keys_values(
+        self, prompt: Prompt, row: int, table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's keys and values, (n, kv_heads, head_size) each."""
+        blocks = table[row, : cdiv(prompt.prompt_len, self.block_size)].long()
+        pages = self.kv_cache[blocks].transpose(1, 2)
+        pages = pages.reshape(-1, self.num_kv_heads, 2 * self.head_size)
+        pages = pages[: prompt.prompt_len].float()
+        return pages[..., : self.head_size], pages[..., self.head_size :]
+
+    def reference(self, prompts: list[Prompt], query: torch.Tensor) -> torch.Tensor:
+        """float32 attention with the mask written from the definition: a state
+        query sees the state, a question query sees every token."""
+        table = self.block_table(prompts)
+        group = self.num_heads // self.num_kv_heads
+        outputs = []
+        start = 0
+        for row, prompt in enumerate(prompts):
+            keys, values = self.cached_keys_values(prompt, row, table)
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+            q = query[start : start + prompt.query_len].float()
+            start += prompt.query_len
+            positions = torch.arange(prompt.computed, prompt.prompt_len)
+            visible = torch.zeros(prompt.query_len, prompt.prompt_len, dtype=torch.bool)
+            in_state = positions < prompt.state_tokens
+            visible[in_state, : prompt.state_tokens] = True
+            visible[~in_state, :] = True
+            scores = torch.einsum("qhd,khd->hqk", q, keys) * self.head_size**-0.5
+            scores.masked_fill_(~visible.to(self.device), float("-inf"))
+            out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+            outputs.append(out)
+        return torch.cat(outputs).to(query.dtype)
