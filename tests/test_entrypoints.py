@@ -1,17 +1,30 @@
-"""The plugin entry point and the two patches, on vLLM's real front-end classes."""
+"""The plugin entry point and the two patches, on vLLM's real front-end classes.
 
+The /classify tests run vLLM's own ``ServingClassification`` (context, renderer,
+request fan-out, response) over an engine client that, as ``AsyncLLM.encode``
+does, passes each prompt through the real ``InputProcessor.process_inputs`` and
+then answers it without an engine.
+"""
+
+import asyncio
+import json
 import subprocess
 import sys
 from importlib.metadata import entry_points
 
 import pytest
+import torch
 from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
 from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
 from vllm.entrypoints.pooling.classify.io_processor import ClassifyIOProcessor
 from vllm.entrypoints.pooling.classify.protocol import ClassificationCompletionRequest
+from vllm.entrypoints.pooling.classify.serving import ServingClassification
 from vllm.entrypoints.pooling.pooling.protocol import PoolingCompletionRequest
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import tokens_input
+from vllm.outputs import PoolingOutput, PoolingRequestOutput
 from vllm.pooling_params import PoolingParams
 from vllm.renderers.chat_utils import ChatTemplateConfig
 from vllm.v1.engine.input_processor import InputProcessor
@@ -132,3 +145,94 @@ def test_classify_request_carries_state_tokens(prefix_bidir_front_end):
     # Without the field nothing is invented: the input processor refuses it.
     bare = ClassificationCompletionRequest.model_validate({"input": "State: x"})
     assert io.create_pooling_params(bare).extra_kwargs is None
+
+
+class EngineWithoutModel:
+    """What ``ServingClassification`` uses of an engine client. ``encode`` runs
+    the real input processor first, as ``AsyncLLM.encode`` does, and answers
+    each admitted prompt with fixed probabilities."""
+
+    def __init__(self, config) -> None:
+        self.vllm_config = config
+        self.input_processor = InputProcessor(config)
+        self.renderer = self.input_processor.renderer
+        self.admitted: list = []
+
+    async def encode(self, prompt, pooling_params, request_id, **kwargs):
+        request = self.input_processor.process_inputs(
+            request_id, prompt, pooling_params, supported_tasks=("classify",)
+        )
+        self.admitted.append(request)
+        yield PoolingRequestOutput(
+            request_id,
+            PoolingOutput(data=torch.tensor([0.25, 0.75])),
+            request.prompt_token_ids,
+            num_cached_tokens=0,
+            finished=True,
+        )
+
+
+@pytest.fixture(scope="module")
+def classify_server(prefix_bidir_front_end):
+    processor, _ = prefix_bidir_front_end
+    config = processor.vllm_config
+    engine = EngineWithoutModel(config)
+    models = OpenAIModelRegistry(
+        config.model_config, [BaseModelPath("d3", config.model_config.model)]
+    )
+    serving = ServingClassification(
+        engine,
+        models,
+        request_logger=None,
+        chat_template_config=ChatTemplateConfig(),
+    )
+
+    def post(body: dict):
+        engine.admitted.clear()
+        request = ClassificationCompletionRequest.model_validate(body)
+        return asyncio.run(serving(request)), list(engine.admitted)
+
+    return post
+
+
+def test_classify_list_form_answers_each_input(classify_server):
+    response, admitted = classify_server(
+        {"input": [[1, 2, 3, 4], [5, 6, 7, 8, 9]], "d3_state_tokens": [2, 4]}
+    )
+    assert response.status_code == 200
+    data = json.loads(response.body)["data"]
+    assert [item["index"] for item in data] == [0, 1]
+    sizes = {
+        len(r.prompt_token_ids): r.pooling_params.extra_kwargs["d3_state_tokens"]
+        for r in admitted
+    }
+    assert sizes == {4: 2, 5: 4}
+
+
+def test_classify_single_size_for_every_input(classify_server):
+    response, admitted = classify_server(
+        {"input": [[1, 2, 3], [4, 5, 6]], "d3_state_tokens": 2}
+    )
+    assert response.status_code == 200
+    assert [r.pooling_params.extra_kwargs for r in admitted] == [
+        {"d3_state_tokens": 2}
+    ] * 2
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"input": [[1, 2, 3], [4, 5]], "d3_state_tokens": [2]}, "1 values for 2"),
+        ({"input": [[1, 2, 3]], "d3_state_tokens": [2, 1]}, "2 values for 1"),
+        ({"input": [[1, 2, 3], [4, 5]], "d3_state_tokens": [2, 3]}, "outside 1..2"),
+        ({"input": [[1, 2, 3], [4, 5]], "d3_state_tokens": [2, True]}, "not bool"),
+    ],
+)
+def test_classify_list_form_bad_values_are_client_errors(
+    classify_server, body, message
+):
+    # vLLM's API server answers a VLLMClientError with a 400.
+    with pytest.raises(VLLMClientError) as excinfo:
+        classify_server(body)
+    assert "d3_state_tokens" in str(excinfo.value)
+    assert message in str(excinfo.value)

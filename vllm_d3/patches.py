@@ -6,8 +6,12 @@ a D3 ``prefix_bidir`` checkpoint, and ``apply`` is idempotent.
    pooling endpoints (``/classify``, ``/pooling``) build ``PoolingParams`` from a
    request's typed fields only. The wrapper carries the request field
    ``d3_state_tokens`` (an int, or a list with one int per input) into
-   ``PoolingParams.extra_kwargs``. Upstream this is one field on the request
-   protocols; no hook reaches it.
+   ``PoolingParams.extra_kwargs``. For a list it returns ``PerInputPoolingParams``,
+   one params per input, which vLLM's pooling serving takes as a sequence
+   (``base/io_processor.py:307-321``) and verifies through its ``verify``
+   (``base/serving.py:157-159`` calls ``verify`` on whatever this returned); a
+   list whose length is not the number of inputs is a 400 naming the field.
+   Upstream this is one field on the request protocols; no hook reaches it.
 2. ``InputProcessor.process_inputs``
    (vLLM 0.33.0 ``v1/engine/input_processor.py:373``, where ``_validate_params``
    at ``:224-246`` never reads ``extra_kwargs``): every request of every entry point
@@ -23,7 +27,9 @@ from functools import wraps
 from typing import Any
 
 from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
+from vllm.entrypoints.pooling.typing import PoolingCompletionLikeRequest
 from vllm.exceptions import VLLMValidationError
+from vllm.renderers.inputs.preprocess import prompt_to_seq
 from vllm.v1.engine.input_processor import InputProcessor
 
 from .model_executor.models.d3_contract import (
@@ -46,6 +52,14 @@ def _with_state_tokens(params: Any, value: Any) -> Any:
     return params
 
 
+class PerInputPoolingParams(list):
+    """One ``PoolingParams`` per input of a pooling request."""
+
+    def verify(self, model_config: Any) -> None:
+        for params in self:
+            params.verify(model_config)
+
+
 def _wrap_create_pooling_params(original: Callable) -> Callable:
     @wraps(original)
     def create_pooling_params(self: PoolingIOProcessor, request: Any) -> Any:
@@ -54,9 +68,22 @@ def _wrap_create_pooling_params(original: Callable) -> Callable:
         if STATE_TOKENS_KEY not in extra or not _serves_prefix_bidir(self.model_config):
             return params
         value = extra[STATE_TOKENS_KEY]
-        if isinstance(value, list):
-            return [_with_state_tokens(params, v) for v in value]
-        return _with_state_tokens(params, value)
+        if not isinstance(value, list):
+            return _with_state_tokens(params, value)
+        # A chat request is one input; a completion-like one has one per prompt.
+        inputs = (
+            len(prompt_to_seq(request.input))
+            if isinstance(request, PoolingCompletionLikeRequest)
+            else 1
+        )
+        if len(value) != inputs:
+            raise VLLMValidationError(
+                f"{STATE_TOKENS_KEY} has {len(value)} values for {inputs} inputs: "
+                "give one per input, or one int for all",
+                parameter=STATE_TOKENS_KEY,
+                value=value,
+            )
+        return PerInputPoolingParams(_with_state_tokens(params, v) for v in value)
 
     return create_pooling_params
 

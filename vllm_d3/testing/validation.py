@@ -13,8 +13,9 @@ long states):
 - in process: ``LLM.classify`` with each prompt's state size in ``PoolingParams``
   (text sets), and the same prompts with the state size withheld, i.e. sent as
   one block covering the whole prompt (negative control);
-- over HTTP: ``vllm serve`` on loopback, ``POST /v1/systemone`` for every set, the
-  bad inputs that must be 4xx, and a valid request after them;
+- over HTTP: ``vllm serve`` on loopback, ``POST /v1/systemone`` for every set,
+  the /classify list form (two inputs, one size each), bad inputs that must be
+  4xx, and a valid request after them;
 - ``--enable-prefix-caching`` on the prefix_bidir checkpoint (must be refused);
 - the causal and noncausal checkpoints in process against their own mode.
 
@@ -401,14 +402,33 @@ class Server:
             self.process.kill()
 
 
+def classify_list_form(prompt_ids: list[int], state_tokens: int) -> dict:
+    """A /classify body of two inputs with one state block size each."""
+    return {
+        "input": [prompt_ids, prompt_ids[:-1]],
+        "d3_state_tokens": [state_tokens, state_tokens],
+    }
+
+
 def bad_inputs(
-    prompt_ids: list[int], max_model_len: int
+    prompt_ids: list[int], state_tokens: int, max_model_len: int
 ) -> list[tuple[str, str, dict]]:
     """(what, route, body) of requests that must get a 4xx."""
     q = {"q": {"type": "noul", "instructions": "Is it?"}}
     classify = {"input": [prompt_ids]}
+    two = classify_list_form(prompt_ids, state_tokens)
     return [
         ("d3_state_tokens true", "/classify", {**classify, "d3_state_tokens": True}),
+        (
+            "d3_state_tokens list, one value for two inputs",
+            "/classify",
+            {**two, "d3_state_tokens": [state_tokens]},
+        ),
+        (
+            "d3_state_tokens list with a bool element",
+            "/classify",
+            {**two, "d3_state_tokens": [state_tokens, True]},
+        ),
         ("d3_state_tokens -3", "/classify", {**classify, "d3_state_tokens": -3}),
         (
             "d3_state_tokens oversized",
@@ -461,14 +481,15 @@ def run_http(
             log(f"http: {name}")
         from vllm_d3.reference import ReferenceRuntime
 
-        ids = (
-            ReferenceRuntime(checkpoint)
-            .render(sets["text, 1 question"][0])[0]
-            .token_ids
-        )
+        prompt = ReferenceRuntime(checkpoint).render(sets["text, 1 question"][0])[0]
+        ids, state_tokens = prompt.token_ids, prompt.state_tokens
         max_len = served_max_model_len(server.url, timeout=10)
+        status, reply = post(
+            server.url + "/classify", classify_list_form(ids, state_tokens)
+        )
+        classify_list = {"status": status, "results": len(reply.get("data", []))}
         rejected = []
-        for what, route, body in bad_inputs(ids, max_len):
+        for what, route, body in bad_inputs(ids, state_tokens, max_len):
             status, reply = post(server.url + route, body)
             rejected.append(
                 {
@@ -485,6 +506,7 @@ def run_http(
             "server_up_s": up,
             "max_model_len": max_len,
             "max_model_len_flag": bool(flags),
+            "classify_list": classify_list,
             "bad_inputs": rejected,
             "valid_after_bad_inputs": status,
         }
@@ -613,6 +635,14 @@ def report(results: dict, command: str) -> str:
             if http["max_model_len_flag"]
             else "validated_length, no flag"
         )
+        classify_list = http.get("classify_list")
+        if classify_list:
+            lines += [
+                "",
+                "`/classify` with two inputs and `d3_state_tokens` as a list: "
+                f"HTTP {classify_list['status']}, "
+                f"{classify_list['results']} results.",
+            ]
         lines += [
             "",
             f"A valid request after them: HTTP {http['valid_after_bad_inputs']}.",
