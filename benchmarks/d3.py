@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from vllm_d3.testing.requests import words_per_token
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 from vllm_d3.testing.validation import LONG_MAX_MODEL_LEN, VALIDATED_LENGTH, versions
 
@@ -70,7 +71,6 @@ from .rows import (
     Row,
     row_requests,
     select,
-    words_per_token,
 )
 from .timing import Budget, log
 

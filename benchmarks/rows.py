@@ -11,8 +11,7 @@ Contract:
   give the same requests. Distinct requests keep vLLM's multimodal processor
   cache from answering a repeat from memory. ``state_scale`` shrinks the long
   states (the CPU smoke run uses 1/64).
-- ``words_per_token(tokenizer)`` measures how many generated words make one token,
-  so a target length in tokens can be turned into a word count.
+- The long rows' word counts come from ``requests.words_per_token(tokenizer)``.
 """
 
 from __future__ import annotations
@@ -126,11 +125,6 @@ def select(ids: Iterable[str], patterns: list[str] | None) -> list[str]:
     if patterns is None:
         return list(ids)
     return [i for i in ids if any(fnmatch.fnmatchcase(i, p) for p in patterns)]
-
-
-def words_per_token(tokenizer: Any, sample_words: int = 2000) -> float:
-    sample = text_state(random.Random(1), sample_words)
-    return sample_words / len(tokenizer(sample)["input_ids"])
 
 
 def state_words(row: Row, words_per_token: float, state_scale: float) -> int:

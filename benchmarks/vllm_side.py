@@ -1,10 +1,10 @@
 """vLLM's side of the D3 benchmark: ``vllm serve`` on loopback, over HTTP.
 
 Contract:
-- ``serve_flags(checkpoint, extra)``: the flags after the checkpoint.
-  ``--load-format dummy`` for a package without weights, and
-  ``--gdn-prefill-backend triton`` unless ``validation.Server`` already adds it.
-- ``run_group(...)`` starts one server (``validation.Server``), measures
+- ``serve_flags(checkpoint, extra)``: the flags after the checkpoint besides
+  ``server.SERVE_FLAGS`` (which ``server.Server`` adds):
+  ``--load-format dummy`` for a package without weights, then ``extra``.
+- ``run_group(...)`` starts one server (``server.Server``), measures
   start-up (process start to the first HTTP 200 of ``/v1/systemone``), the
   latency rows one request at a time and the closed-loop loads, and stops it.
   While the server lives, ``nvidia-smi`` is polled: the peak of
@@ -30,8 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_d3.testing import validation
-from vllm_d3.testing.validation import Server, post, served_max_model_len
+from vllm_d3.testing.server import SERVE_FLAGS, Server, post, served_max_model_len
 
 from .reference_side import has_weights
 from .rows import Load, Row, question_count
@@ -50,8 +49,6 @@ MEMORY_LOG = re.compile(
 
 def serve_flags(checkpoint: str, extra: list[str]) -> list[str]:
     flags = [] if has_weights(checkpoint) else ["--load-format", "dummy"]
-    if "--gdn-prefill-backend" not in validation.SERVE_FLAGS:
-        flags += ["--gdn-prefill-backend", "triton"]
     return flags + extra
 
 
@@ -230,7 +227,7 @@ def run_group(
     log_file = logs / f"serve-{name}.log"
     result: dict[str, Any] = {
         "flags": flags,
-        "command": ["vllm", "serve", checkpoint, *validation.SERVE_FLAGS, *flags],
+        "command": ["vllm", "serve", checkpoint, *SERVE_FLAGS, *flags],
         "log": log_file.name,
     }
     rows_out: dict[str, Any] = {}

@@ -74,15 +74,23 @@ def test_unknown_prompt_layout_stops(layout):
     assert repr(layout) in str(excinfo.value)
 
 
-def test_known_fields_pass():
-    check_decision_fields(
-        {
-            "attention_mode": "prefix_bidir",
-            "prompt_layout": "d3",
-            "validated_length": 32768,
-            "temperature_by_questions": ULTRA,
-        }
-    )
+def test_known_fields_pass_and_are_read():
+    decision = {
+        "attention_mode": "prefix_bidir",
+        "prompt_layout": "d3",
+        "validated_length": 32768,
+        "temperature_by_questions": ULTRA,
+    }
+    assert check_decision_fields(decision) is None  # start-up goes on
+    assert validated_length_of(decision) == 32768
+    schedule = temperature_schedule_of(decision)
+    assert schedule is not None
+    assert [schedule.temperature_for(n) for n in (1, 4, 16, 64)] == [
+        1.046,
+        1.0,
+        0.9,
+        0.8,
+    ]
 
 
 def test_unknown_attention_mode():

@@ -67,6 +67,25 @@ def test_vllm_loads_the_plugin_once_per_process():
     assert "model vllm_d3.model_executor.models.d3" in logs
 
 
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.1", "0.33.2.dev3+gabc"])
+def test_supported_vllm_versions(version):
+    assert vllm_d3.check_vllm_version(version) is None
+
+
+def test_other_vllm_versions_are_refused():
+    # register() itself, in a fresh process whose vLLM reports another release.
+    script = (
+        "import vllm; vllm.__version__ = '0.34.0'\nimport vllm_d3; vllm_d3.register()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0
+    assert "vllm-d3 supports vLLM 0.33.x only" in done.stderr
+    assert "this is vLLM 0.34.0" in done.stderr
+    assert "installed its D3 hooks" not in done.stdout + done.stderr
+
+
 def test_patches_are_applied_once():
     vllm_d3.register()
     wrapped = [getattr(owner, name) for owner, name, _ in patches.PATCHES]

@@ -7,6 +7,7 @@ kernel reads, and the D3 composite's FlashAttention builder, whose virtual
 sequences (cu_seqlens, seqused_k, block-table rows) are what FlashAttention reads.
 """
 
+import inspect
 import socket
 
 import numpy as np
@@ -31,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
 )
+from vllm.v1.worker.gpu import warmup as gpu_warmup
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.model_states import default as default_model_state
 from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
@@ -40,7 +42,10 @@ from vllm.v1.worker.utils import AttentionGroup
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3PrefixBidirAttentionBackend,
 )
-from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import D3PrefixBidirModelState
+from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import (
+    WARMUP_REQUEST_PREFIX,
+    D3PrefixBidirModelState,
+)
 
 CPU = torch.device("cpu")
 
@@ -270,6 +275,12 @@ def test_warmup_requests_are_split_in_two(state):
     model_state, _ = state
     model_state.add_request(0, new_request("_warmup_0_", 9, None))
     assert model_state.prefix_ranges(["_warmup_0_"]) == {0: [(0, 3), (4, 8)]}
+
+
+def test_vllm_names_its_warmup_requests_so():
+    # The prefix the state recognises is the one vLLM's warm-up gives its rows.
+    source = inspect.getsource(gpu_warmup)
+    assert f'req_ids = [f"{WARMUP_REQUEST_PREFIX}{{i}}_"' in source
 
 
 def test_dummy_rows_get_no_ranges(state):

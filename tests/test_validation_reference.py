@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_d3.reference import ReferenceRuntime
+from vllm_d3.testing import server as server_module
 from vllm_d3.testing import validation
 from vllm_d3.testing.compare import compare, flatten
 
@@ -84,8 +85,8 @@ def test_a_server_that_exits_names_its_log_and_error(tmp_path) -> None:
     log_file = tmp_path / "serve.log"
     checkpoint = str(tmp_path / "no-such-checkpoint")
     with (
-        validation.Server(checkpoint, log_file=log_file) as server,
-        pytest.raises(validation.ServerExited) as exited,
+        server_module.Server(checkpoint, log_file=log_file) as server,
+        pytest.raises(server_module.ServerExited) as exited,
     ):
         server.wait(timeout=300)
     message = str(exited.value)

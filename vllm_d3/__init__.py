@@ -15,10 +15,14 @@ subprocess). It is idempotent and installs, through vLLM's registries:
   another plugin registered ``CUSTOM`` first
 - the two monkeypatches of ``vllm_d3.patches``
 
-and logs once per process, at INFO, what it installed.
+and logs once per process, at INFO, what it installed. It refuses, before
+installing anything, a vLLM other than ``SUPPORTED_VLLM``.x: the hooks reach
+into that release's internals (docs/upstream.md lists every tie).
 """
 
 ARCHITECTURE = "D3ForSequenceClassification"
+#: The vLLM release line the plugin is written against (pyproject pins 0.33.0).
+SUPPORTED_VLLM = "0.33"
 #: The dense-piece attention backend, registered as vLLM's ``CUSTOM`` backend.
 DENSE_ATTENTION_BACKEND = (
     "vllm_d3.v1.attention.backends.d3_prefix_bidir.D3PrefixBidirAttentionBackend"
@@ -31,9 +35,21 @@ def installed_hooks() -> list[str]:
     return list(_installed)
 
 
+def check_vllm_version(version: str) -> None:
+    if not version.startswith(f"{SUPPORTED_VLLM}."):
+        raise RuntimeError(
+            f"vllm-d3 supports vLLM {SUPPORTED_VLLM}.x only (it patches that "
+            f"release's internals); this is vLLM {version}. Install "
+            f"vllm=={SUPPORTED_VLLM}.0, or uninstall vllm-d3."
+        )
+
+
 def register() -> None:
     if _installed:
         return
+    import vllm
+
+    check_vllm_version(vllm.__version__)
     from vllm import ModelRegistry
     from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES
     from vllm.logger import init_logger

@@ -14,7 +14,7 @@ a D3 ``prefix_bidir`` checkpoint, and ``apply`` is idempotent.
    Upstream this is one field on the request protocols; no hook reaches it.
 2. ``InputProcessor.process_inputs``
    (vLLM 0.33.0 ``v1/engine/input_processor.py:373``, where ``_validate_params``
-   at ``:224-246`` never reads ``extra_kwargs``): every request of every entry point
+   at ``:138-253`` never reads ``extra_kwargs``): every request of every entry point
    (``LLM.classify``, ``/classify``, ``/pooling``, ``/v1/systemone``) passes here
    with its final prompt. The wrapper refuses a prefix_bidir request whose
    ``d3_state_tokens`` is missing or invalid with a ``VLLMValidationError`` (a 400

@@ -15,42 +15,33 @@ from pathlib import Path
 
 import pytest
 
+from vllm_d3.testing.compare import CONTROL_MARGIN, TOLERANCE, passes
 from vllm_d3.testing.validation import (
-    CONTROL_MARGIN,
+    CONTROL_TABLES,
     GPU_CHECK_TABLE,
+    INPROCESS_TABLE,
     LONG_MAX_MODEL_LEN,
-    TOLERANCE,
+    SERVED_TABLES,
     VALIDATED_LENGTH,
-    passes,
     run,
 )
 
 pytestmark = pytest.mark.gpu
-
-SERVED = (
-    "prefix_bidir, in process (LLM.classify)",
-    "prefix_bidir, HTTP /v1/systemone",
-    "causal checkpoint, in process",
-    "noncausal_full_attention checkpoint, in process",
-)
-CONTROLS = (
-    "control: state size withheld (one block), in process",
-    "control: served vs reference causal mask",
-    "control: served vs reference whole-prompt bidirectional",
-)
+#: The 24K/64K-token states, served with --max-model-len LONG_MAX_MODEL_LEN.
+FULL = os.environ.get("VLLM_D3_FULL_VALIDATION") == "1"
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = os.environ.get("VLLM_D3_VALIDATION_OUT")
     out_dir = Path(out) if out else tmp_path_factory.mktemp("validation")
-    quick = os.environ.get("VLLM_D3_FULL_VALIDATION") != "1"
+    quick = not FULL
     work = tmp_path_factory.mktemp("work")
     dtype = os.environ.get("VLLM_D3_VALIDATION_DTYPE")
     return run(out_dir, quick=quick, work=work, parallel=True, dtype=dtype)
 
 
-@pytest.mark.parametrize("table", SERVED)
+@pytest.mark.parametrize("table", SERVED_TABLES)
 def test_answers_match_the_reference(results, table):
     failing = {
         name: stats
@@ -66,11 +57,11 @@ def test_the_reference_agrees_with_itself_on_cpu_and_gpu(results):
     assert not failing
 
 
-@pytest.mark.parametrize("control", CONTROLS)
+@pytest.mark.parametrize("control", CONTROL_TABLES)
 def test_wrong_masks_are_clearly_wrong(results, control):
     stats = results["tables"][control].values()
     assert max(s["max_dp"] for s in stats) > CONTROL_MARGIN * TOLERANCE
-    served = results["tables"][SERVED[0]]
+    served = results["tables"][INPROCESS_TABLE]
     changed = sum(s["decisions_changed"] for s in stats)
     assert changed > sum(served[name]["decisions_changed"] for name in served)
 
@@ -85,7 +76,7 @@ def test_bad_input_is_refused_and_serving_goes_on(results):
 def test_max_model_len_default_and_override(results):
     http = results["http"]
     # No flag: the checkpoint's validated_length; --max-model-len 131072 wins.
-    expected = LONG_MAX_MODEL_LEN if http["max_model_len_flag"] else VALIDATED_LENGTH
+    expected = LONG_MAX_MODEL_LEN if FULL else VALIDATED_LENGTH
     assert http["max_model_len"] == expected
 
 

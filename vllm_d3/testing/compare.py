@@ -6,12 +6,21 @@ its decision (top choice, noul >= 0.5, most likely level). ``compare`` gives, ov
 aligned questions: the count, decisions changed, the changes that are near ties of
 the reference (top two within ``tie``), and the median, p90 and max of |dp| over
 every option probability.
+
+The verdicts on those statistics live here too: ``passes`` (max |dp| within
+``TOLERANCE``, and a decision changes only where the reference's top two are
+within ``TIE``) and, for negative controls, ``clearly_wrong`` (max |dp| above
+``CONTROL_MARGIN`` x ``TOLERANCE``).
 """
 
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+TOLERANCE = 0.02
+TIE = 0.01
+CONTROL_MARGIN = 2.5  # a negative control must exceed the tolerance by this factor
 
 
 def probabilities(answer: dict[str, Any]) -> list[float]:
@@ -39,7 +48,7 @@ def compare(
     reference: Sequence[dict[str, Any]],
     served: Sequence[dict[str, Any]],
     *,
-    tie: float = 0.01,
+    tie: float = TIE,
 ) -> dict[str, Any]:
     """``reference`` and ``served``: answers of the same questions, in order."""
     if len(reference) != len(served):
@@ -68,3 +77,14 @@ def compare(
 def flatten(responses: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The answers of several responses, in request and question order."""
     return [answer for r in responses for answer in r["answers"].values()]
+
+
+def passes(stats: dict) -> bool:
+    return (
+        stats["max_dp"] <= TOLERANCE
+        and stats["decisions_changed"] == stats["changed_near_ties"]
+    )
+
+
+def clearly_wrong(stats: dict) -> bool:
+    return stats["max_dp"] > CONTROL_MARGIN * TOLERANCE

@@ -6,12 +6,13 @@ with 1, 4 and 16 questions, a 16-question JSON state, a 64-question request, a
 three images, a video with 6 questions, a video with an image, and (``long=True``)
 a ~24K-token state with 4 questions and a ~64K-token state with 2 questions.
 Media are generated here as data URLs (PNG images, MP4 videos), so nothing is
-downloaded. The same seed gives the same requests.
+downloaded. The same seed gives the same requests. ``words_per_token(tokenizer)``
+measures how many generated words make one token, so that a length in tokens
+(the long states, the benchmark's long rows) becomes a word count.
 """
 
 import base64
 import io
-import json
 import os
 import random
 import tempfile
@@ -69,6 +70,11 @@ SCALE = ["none", "low", "some", "high", "extreme"]
 def _sentence(rng: random.Random, words: int) -> str:
     text = " ".join(rng.choice(WORDS) for _ in range(words))
     return text[0].upper() + text[1:] + rng.choice([".", "?", "!", ""])
+
+
+def words_per_token(tokenizer: Any, sample_words: int = 2000) -> float:
+    sample = text_state(random.Random(1), sample_words)
+    return sample_words / len(tokenizer(sample)["input_ids"])
 
 
 def text_state(rng: random.Random, words: int) -> str:
@@ -221,7 +227,3 @@ def request_sets(
         sets["24K-token state, 4 questions"] = [text(4, int(24_000 * words_per_token))]
         sets["64K-token state, 2 questions"] = [text(2, int(64_000 * words_per_token))]
     return sets
-
-
-def dumps(sets: dict[str, list[dict[str, Any]]]) -> str:
-    return json.dumps(sets, ensure_ascii=False)

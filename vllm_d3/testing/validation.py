@@ -35,22 +35,31 @@ ones (the long states rely on them); ``results.json`` keeps every answer.
 import argparse
 import json
 import platform
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from vllm_d3.testing.compare import compare, flatten
-from vllm_d3.testing.requests import request_sets
+from vllm_d3.testing.compare import (
+    CONTROL_MARGIN,
+    TIE,
+    TOLERANCE,
+    clearly_wrong,
+    compare,
+    flatten,
+    passes,
+)
+from vllm_d3.testing.requests import request_sets, words_per_token
+from vllm_d3.testing.server import (
+    GDN_PREFILL_BACKEND,
+    Server,
+    ServerExited,
+    last_error,
+    post,
+    served_max_model_len,
+)
 
-TOLERANCE = 0.02
-TIE = 0.01
-CONTROL_MARGIN = 2.5  # a negative control must exceed the tolerance by this factor
-SERVE_FLAGS = ["--gdn-prefill-backend", "triton"]
 LONG_MAX_MODEL_LEN = 131072
 PARALLEL_MEMORY = 0.15
 PARALLEL_KV_CACHE_BYTES = 4 * 2**30
@@ -60,7 +69,8 @@ VALIDATED_LENGTH = 32768
 #: The request sets with long states (their names start so).
 LONG_SETS = ("24K", "64K")
 GPU_CHECK_TABLE = "check: reference on the GPU vs on the CPU"
-MODES = ("prefix_bidir", "causal", "noncausal_full_attention")
+OTHER_MODES = ("causal", "noncausal_full_attention")
+MODES = ("prefix_bidir", *OTHER_MODES)
 
 
 def log(message: str) -> None:
@@ -91,20 +101,14 @@ def build_checkpoints(root: Path) -> dict[str, str]:
 
 def scaled_sets(checkpoint: str, *, quick: bool) -> dict[str, list[dict[str, Any]]]:
     """The request sets, with the long states sized in this tokenizer's tokens."""
-    import random
-
     from transformers import AutoTokenizer
 
-    from vllm_d3.testing.requests import text_state
-
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    sample = text_state(random.Random(1), 2000)
-    tokens_per_word = len(tokenizer(sample)["input_ids"]) / 2000
     return request_sets(
         0,
         per_set=1 if quick else 2,
         long=not quick,
-        words_per_token=1 / tokens_per_word,
+        words_per_token=words_per_token(tokenizer),
     )
 
 
@@ -219,7 +223,10 @@ def run_inprocess(
     decision = json.loads((Path(checkpoint) / "decision_config.json").read_text())
     schedule = temperature_schedule_of(decision)
     prefix_bidir = is_prefix_bidir(decision)
-    kwargs: dict[str, Any] = {"model": checkpoint, "gdn_prefill_backend": "triton"}
+    kwargs: dict[str, Any] = {
+        "model": checkpoint,
+        "gdn_prefill_backend": GDN_PREFILL_BACKEND,
+    }
     kwargs.update(engine_args)
     if long:
         kwargs["max_model_len"] = LONG_MAX_MODEL_LEN
@@ -274,15 +281,6 @@ def run_inprocess(
     Path(out_file).write_text(json.dumps(results))
 
 
-def last_error(log_file: Path) -> str:
-    """The last exception line of a subprocess's log (else its last line)."""
-    lines = [line.strip() for line in log_file.read_text().splitlines() if line.strip()]
-    errors = [
-        line for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception"))
-    ]
-    return (errors or lines or ["(empty log)"])[-1]
-
-
 class InProcess:
     """``run_inprocess`` in a subprocess of its own (one vLLM engine each)."""
 
@@ -317,89 +315,6 @@ class InProcess:
                 f"({self.log_file.name}): {last_error(self.log_file)}"
             )
         return json.loads(self.out_file.read_text())
-
-
-# ----------------------------------------------------------------------- HTTP
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def served_max_model_len(url: str, timeout: float) -> int:
-    """The ``max_model_len`` the server at ``url`` reports on ``/v1/models``."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=timeout) as reply:
-        return json.loads(reply.read())["data"][0]["max_model_len"]
-
-
-class ServerExited(RuntimeError):
-    """``vllm serve`` ended before it answered ``/health``."""
-
-
-class Server:
-    """``vllm serve CHECKPOINT`` on loopback, stopped on exit. ``wait`` returns
-    the seconds until ``/health`` answered, or raises ``ServerExited`` (naming
-    the log and its last error) if the process ended first."""
-
-    def __init__(self, checkpoint: str, *flags: str, log_file: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_file = log_file
-        command = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.cli.main",
-            "serve",
-            checkpoint,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *SERVE_FLAGS,
-            *flags,
-        ]
-        with log_file.open("w") as output:
-            self.process = subprocess.Popen(
-                command, stdout=output, stderr=subprocess.STDOUT
-            )
-
-    def wait(self, timeout: float = 480) -> float:
-        started = time.time()
-        while time.time() - started < timeout:
-            if self.process.poll() is not None:
-                raise ServerExited(
-                    f"vllm serve exited during start-up (log: {self.log_file}): "
-                    f"{last_error(self.log_file)}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    return time.time() - started
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(1)
-        raise TimeoutError(f"server not up after {timeout}s; see {self.log_file}")
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
 
 
 def classify_list_form(prompt_ids: list[int], state_tokens: int) -> dict:
@@ -533,10 +448,6 @@ def prefix_caching_refused(checkpoint: str, work: Path) -> dict:
 # --------------------------------------------------------------------- report
 
 
-def clearly_wrong(stats: dict) -> bool:
-    return stats["max_dp"] > CONTROL_MARGIN * TOLERANCE
-
-
 def _table(rows: list[tuple[str, dict]], control: bool) -> list[str]:
     verdict, check = ("clearly wrong", clearly_wrong) if control else ("meets", passes)
     lines = [
@@ -569,24 +480,27 @@ def versions() -> dict[str, str]:
     }
 
 
-#: Every table a complete run produces.
+# The tables of a run: answers that must match the reference (``passes``),
+# negative controls that must not (``clearly_wrong``), and the reference's own
+# GPU-vs-CPU check.
+HTTP_TABLE = "prefix_bidir, HTTP /v1/systemone"
+INPROCESS_TABLE = "prefix_bidir, in process (LLM.classify)"
+CAUSAL_CONTROL = "control: served vs reference causal mask"
+BIDIR_CONTROL = "control: served vs reference whole-prompt bidirectional"
+ONE_BLOCK_CONTROL = "control: state size withheld (one block), in process"
+OTHER_MODE_TABLES = {mode: f"{mode} checkpoint, in process" for mode in OTHER_MODES}
+SERVED_TABLES = (INPROCESS_TABLE, HTTP_TABLE, *OTHER_MODE_TABLES.values())
+CONTROL_TABLES = (ONE_BLOCK_CONTROL, CAUSAL_CONTROL, BIDIR_CONTROL)
+#: Every table a complete run produces, in the report's order.
 EXPECTED_TABLES = (
-    "prefix_bidir, HTTP /v1/systemone",
-    "control: served vs reference causal mask",
-    "control: served vs reference whole-prompt bidirectional",
-    "prefix_bidir, in process (LLM.classify)",
-    "control: state size withheld (one block), in process",
-    "causal checkpoint, in process",
-    "noncausal_full_attention checkpoint, in process",
+    HTTP_TABLE,
+    CAUSAL_CONTROL,
+    BIDIR_CONTROL,
+    INPROCESS_TABLE,
+    ONE_BLOCK_CONTROL,
+    *OTHER_MODE_TABLES.values(),
     GPU_CHECK_TABLE,
 )
-
-
-def passes(stats: dict) -> bool:
-    return (
-        stats["max_dp"] <= TOLERANCE
-        and stats["decisions_changed"] == stats["changed_near_ties"]
-    )
 
 
 def report(results: dict, command: str) -> str:
@@ -704,15 +618,12 @@ def run(
         (out / "validation.md").write_text(report(results, command))
 
     def table(against: dict, got: dict, names) -> dict:
-        return {
-            n: compare(flatten(against[n]), flatten(got[n]), tie=TIE) for n in names
-        }
+        return {n: compare(flatten(against[n]), flatten(got[n])) for n in names}
 
     tables = results["tables"]
-    other_modes = ("causal", "noncausal_full_attention")
     ref_modes = {
         mode: reference_answers(checkpoints[mode], short_text, None, "cpu")
-        for mode in other_modes
+        for mode in OTHER_MODES
     }
     # The options a user would pass: in parallel, every engine gets a share of
     # the GPU's memory and a fixed KV cache; --dtype serves in another dtype.
@@ -729,27 +640,19 @@ def run(
 
     main_job = in_process("prefix_bidir", text_sets)
     jobs = (
-        {mode: in_process(mode, short_text) for mode in other_modes} if parallel else {}
+        {mode: in_process(mode, short_text) for mode in OTHER_MODES} if parallel else {}
     )
     http = run_http(main, sets, work, long, engine_args)
     results["http"] = {k: v for k, v in http.items() if k != "answers"}
     answers["http"] = http["answers"]
-    tables["prefix_bidir, HTTP /v1/systemone"] = table(ref, http["answers"], sets)
-    tables["control: served vs reference causal mask"] = table(
-        ref_causal, http["answers"], short_text
-    )
-    tables["control: served vs reference whole-prompt bidirectional"] = table(
-        ref_bidir, http["answers"], short_text
-    )
+    tables[HTTP_TABLE] = table(ref, http["answers"], sets)
+    tables[CAUSAL_CONTROL] = table(ref_causal, http["answers"], short_text)
+    tables[BIDIR_CONTROL] = table(ref_bidir, http["answers"], short_text)
     save()
     served = main_job.result()
     answers["in process"] = served
-    tables["prefix_bidir, in process (LLM.classify)"] = table(
-        ref, served["served"], text_sets
-    )
-    tables["control: state size withheld (one block), in process"] = table(
-        ref, served["one block"], short_text
-    )
+    tables[INPROCESS_TABLE] = table(ref, served["served"], text_sets)
+    tables[ONE_BLOCK_CONTROL] = table(ref, served["one block"], short_text)
     save()
 
     def served_table(title: str, key: str, job: InProcess, against: dict) -> None:
@@ -764,10 +667,10 @@ def run(
             tables[title] = table(against, answers[key]["served"], short_text)
         save()
 
-    for mode in other_modes:
+    for mode in OTHER_MODES:
         job = jobs.get(mode) or in_process(mode, short_text)
         served_table(
-            f"{mode} checkpoint, in process", f"{mode} in process", job, ref_modes[mode]
+            OTHER_MODE_TABLES[mode], f"{mode} in process", job, ref_modes[mode]
         )
     results["prefix_caching"] = prefix_caching_refused(main, work)
     save()

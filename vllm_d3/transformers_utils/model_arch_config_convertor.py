@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """D3 checkpoint detection
 (upstream: ``transformers_utils/model_arch_config_convertor.py``).
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The D3 entry of ``MODELS_CONFIG_MAP``
 (upstream: ``model_executor/models/config.py``).
 

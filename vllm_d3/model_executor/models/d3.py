@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The D3 model for prefix_bidir checkpoints
 (upstream: ``model_executor/models/d3.py``).
 

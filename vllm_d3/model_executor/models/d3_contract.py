@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The Decision 3.0 fields that vLLM 0.33.0 does not read, and the state-size contract.
 
 Pure functions over a checkpoint's ``decision_config.json`` (a dict), shared by the

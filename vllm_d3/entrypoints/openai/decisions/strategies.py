@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The D3 read strategy for prefix_bidir checkpoints
 (upstream: ``entrypoints/openai/decisions/strategies.py``).
 

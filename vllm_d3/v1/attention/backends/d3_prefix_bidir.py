@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Dense-piece attention for D3 prefix_bidir checkpoints
 (upstream: ``v1/attention/backends/d3_prefix_bidir.py``, a new file beside
 ``triton_flash_attn.py``).

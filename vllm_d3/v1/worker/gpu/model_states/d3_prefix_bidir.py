@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Model Runner V2 state for D3 prefix_bidir checkpoints
 (upstream: ``v1/worker/gpu/model_states/d3_prefix_bidir.py``, a new file).
 

@@ -1,0 +1,115 @@
+"""``vllm serve`` on loopback for the demo, the validation and the benchmarks.
+
+- ``Server(checkpoint, *flags, log_file=...)`` starts ``vllm serve CHECKPOINT
+  --host 127.0.0.1 --port <free port>`` with ``SERVE_FLAGS`` and ``flags``, its
+  output in ``log_file``; ``wait()`` returns the seconds until ``/health``
+  answered, or raises ``ServerExited`` naming the log and its last error line
+  (``last_error``) if the process ended first; leaving the ``with`` block stops it.
+- ``SERVE_FLAGS``: ``--gdn-prefill-backend triton`` (``GDN_PREFILL_BACKEND``), the
+  Gated DeltaNet prefill that every vLLM install has; a vLLM install without
+  FlashInfer's GDN kernels cannot start Qwen3.5 on Hopper otherwise.
+- ``post(url, body)`` -> (HTTP status, JSON body); ``served_max_model_len(url)``
+  reads ``/v1/models``.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+#: The Gated DeltaNet prefill kernel every serving run here uses.
+GDN_PREFILL_BACKEND = "triton"
+SERVE_FLAGS = ["--gdn-prefill-backend", GDN_PREFILL_BACKEND]
+
+
+def last_error(log_file: Path) -> str:
+    """The last exception line of a subprocess's log (else its last line)."""
+    lines = [line.strip() for line in log_file.read_text().splitlines() if line.strip()]
+    errors = [
+        line for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception"))
+    ]
+    return (errors or lines or ["(empty log)"])[-1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def served_max_model_len(url: str, timeout: float) -> int:
+    """The ``max_model_len`` the server at ``url`` reports on ``/v1/models``."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=timeout) as reply:
+        return json.loads(reply.read())["data"][0]["max_model_len"]
+
+
+class ServerExited(RuntimeError):
+    """``vllm serve`` ended before it answered ``/health``."""
+
+
+class Server:
+    """``vllm serve CHECKPOINT`` on loopback, stopped on exit. ``wait`` returns
+    the seconds until ``/health`` answered, or raises ``ServerExited`` (naming
+    the log and its last error) if the process ended first."""
+
+    def __init__(self, checkpoint: str, *flags: str, log_file: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_file = log_file
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            checkpoint,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *SERVE_FLAGS,
+            *flags,
+        ]
+        with log_file.open("w") as output:
+            self.process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT
+            )
+
+    def wait(self, timeout: float = 480) -> float:
+        started = time.time()
+        while time.time() - started < timeout:
+            if self.process.poll() is not None:
+                raise ServerExited(
+                    f"vllm serve exited during start-up (log: {self.log_file}): "
+                    f"{last_error(self.log_file)}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return time.time() - started
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        raise TimeoutError(f"server not up after {timeout}s; see {self.log_file}")
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
