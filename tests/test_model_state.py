@@ -22,6 +22,7 @@ from vllm.distributed import (
 )
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.attention.attention import Attention
+from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.models import d3 as upstream_d3
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.pooling_params import PoolingParams
@@ -31,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
 )
 from vllm.v1.worker.gpu import warmup as gpu_warmup
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
@@ -134,6 +136,23 @@ def state(make_checkpoint, monkeypatch):
         yield D3PrefixBidirModelState(config, model, None, CPU), config
 
 
+def prefill_batch(req_ids, prompt_lens) -> InputBatch:
+    """One step that schedules each prompt whole, as the runner schedules D3
+    prompts (the dummy batch splits its tokens evenly instead)."""
+    lens = np.asarray(prompt_lens, dtype=np.int32)
+    batch = InputBatch.make_dummy(
+        len(req_ids), int(lens.sum()), InputBuffers(8, 256, CPU)
+    )
+    batch.req_ids[:] = req_ids
+    batch.num_scheduled_tokens[:] = lens
+    batch.query_start_loc_np[1:] = np.cumsum(lens)
+    batch.query_start_loc.copy_(torch.from_numpy(batch.query_start_loc_np))
+    batch.seq_lens.copy_(torch.from_numpy(lens))
+    batch.seq_lens_cpu_upper_bound.copy_(torch.from_numpy(lens))
+    batch.max_query_len = int(lens.max())
+    return batch
+
+
 def attention_metadata(
     state_and_config, req_ids, prompt_lens, backend=TritonAttentionBackend
 ):
@@ -162,17 +181,7 @@ def attention_metadata(
         kv_cache_groups=[KVCacheGroupSpec([layer], spec)],
     )
     num_tokens = sum(prompt_lens)
-    batch = InputBatch.make_dummy(len(req_ids), num_tokens, InputBuffers(8, 256, CPU))
-    batch.req_ids[:] = req_ids
-    # Each row scheduled whole in this step, as the runner schedules D3 prompts
-    # (the dummy batch splits its tokens evenly instead).
-    lens = np.asarray(prompt_lens, dtype=np.int32)
-    batch.num_scheduled_tokens[:] = lens
-    batch.query_start_loc_np[1:] = np.cumsum(lens)
-    batch.query_start_loc.copy_(torch.from_numpy(batch.query_start_loc_np))
-    batch.seq_lens.copy_(torch.from_numpy(lens))
-    batch.seq_lens_cpu_upper_bound.copy_(torch.from_numpy(lens))
-    batch.max_query_len = int(lens.max())
+    batch = prefill_batch(req_ids, prompt_lens)
     with set_current_vllm_config(config):
         metadata = model_state.prepare_attn(
             batch,
@@ -260,6 +269,84 @@ def test_ranges_become_dense_pieces_for_flash_attention(state):
         masks[req_id][first:last, :keys] = True
     for req_id, (n, s) in requests.items():
         assert torch.equal(masks[req_id], prefix_bidir_mask(s, n))
+
+
+@pytest.mark.parametrize("for_capture", [False, True])
+def test_hybrid_cache_dense_attention_beside_a_causal_gdn(state, for_capture):
+    """A real hybrid KV-cache config: the model's full-attention layers in one
+    group (the D3 composite), its Gated DeltaNet layers in another (vLLM's GDN
+    backend, the spec its layers declare)."""
+    model_state, config = state
+    layers = config.compilation_config.static_forward_context
+    attention = [n for n, m in layers.items() if isinstance(m, Attention)]
+    gdn = [n for n, m in layers.items() if isinstance(m, MambaBase)]
+    assert attention and gdn
+    attention_spec = FullAttentionSpec(
+        block_size=80, num_kv_heads=1, head_size=256, dtype=torch.float16
+    )
+    gdn_spec = layers[gdn[0]].get_kv_cache_spec(config)
+    assert isinstance(gdn_spec, MambaSpec)
+    groups = [
+        AttentionGroup(
+            backend=D3PrefixBidirAttentionBackend,
+            layer_names=attention,
+            kv_cache_spec=attention_spec,
+            kv_cache_group_id=0,
+        ),
+        AttentionGroup(
+            backend=layers[gdn[0]].get_attn_backend(),
+            layer_names=gdn,
+            kv_cache_spec=gdn_spec,
+            kv_cache_group_id=1,
+        ),
+    ]
+    for group in groups:
+        group.create_metadata_builders(config, CPU)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(attention, attention_spec),
+            KVCacheGroupSpec(gdn, gdn_spec),
+        ],
+    )
+    requests = {"a": (10, 4), "b": (7, 7)}
+    for index, (req_id, (n, s)) in enumerate(requests.items()):
+        model_state.add_request(index, new_request(req_id, n, {"d3_state_tokens": s}))
+    order = ["b", "a"]
+    batch = prefill_batch(order, [requests[r][0] for r in order])
+    batch.is_prefilling_np[:] = True
+    with set_current_vllm_config(config):
+        metadata = model_state.prepare_attn(
+            batch,
+            CUDAGraphMode.NONE,
+            (
+                torch.arange(32, dtype=torch.int32).reshape(2, 16),
+                torch.tensor([[3], [5]], dtype=torch.int32),
+            ),
+            torch.zeros(2, batch.num_tokens, dtype=torch.int64),
+            [[groups[0]], [groups[1]]],
+            kv_cache_config,
+            for_capture=for_capture,
+        )
+    full = metadata[attention[0]]
+    if for_capture:
+        # Graph capture gets no ranges: plain causal attention over the rows.
+        assert full.causal is True
+        assert full.query_start_loc.tolist() == [0, 7, 17]
+    else:
+        # b (s = n = 7) is one piece; a (s = 4, n = 10) is two.
+        assert full.causal is False
+        assert full.query_start_loc.tolist() == [0, 7, 11, 17]
+        assert full.seq_lens.tolist() == [7, 4, 10]
+        assert [row[0] for row in full.block_table.tolist()] == [0, 16, 16]
+    # The Gated DeltaNet scans each request's own tokens, causally, from its
+    # own state slot: the ranges never reach it.
+    scan = metadata[gdn[0]]
+    assert scan.num_prefills == 2 and scan.num_decodes == 0
+    assert scan.non_spec_query_start_loc.tolist() == [0, 7, 17]
+    assert scan.non_spec_state_indices_tensor.tolist() == [3, 5]
+    assert scan.has_initial_state.tolist() == [False, False]
 
 
 def test_removed_requests_are_forgotten(state):
