@@ -28,6 +28,9 @@ every row.
   ``DensePieceRouting`` sends a batch to FlashAttention when ``dense_pieces``
   can express it (or it has no ranges: plain causal FlashAttention) and to
   ranged Triton otherwise, logging the first such fallback.
+- The FlashAttention child declares kernel blocks of ``KEY_TILE_TOKENS`` (80)
+  tokens, so vLLM sizes the hybrid KV block of d3-turbo at 800 tokens instead of
+  784: whole key tiles per page, which FlashAttention 3 reads faster.
 
 The plugin registers the backend as vLLM's ``CUSTOM`` attention backend (a
 member that exists in every process, so a config that names it pickles into
