@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from vllm.utils.math_utils import cdiv
 
 from vllm_d3.testing.attention_layer import (
     FullAttentionLayer,
@@ -48,16 +49,17 @@ def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
 
-def _cuda_ms(call: Any) -> float:
+def _timed(call: Any) -> tuple[Any, float]:
+    """``call()``'s result and its CUDA time in ms."""
     start, end = (
         torch.cuda.Event(enable_timing=True),
         torch.cuda.Event(enable_timing=True),
     )
     start.record()
-    call()
+    result = call()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end)
+    return result, start.elapsed_time(end)
 
 
 def time_path(
@@ -65,12 +67,11 @@ def time_path(
 ) -> dict[str, Any]:
     query = layer.random_query(prompts)
     output = torch.empty_like(query)
-    build_ms = _cuda_ms(lambda: layer.metadata(prompts, path))
-    metadata = layer.metadata(prompts, path)
-    first = _cuda_ms(lambda: layer.forward(query, metadata, output))
+    metadata, build_ms = _timed(lambda: layer.metadata(prompts, path))
+    _, first = _timed(lambda: layer.forward(query, metadata, output))
     count = 1 if first > SLOW_CALL_MS else repeats
     ms = statistics.median(
-        _cuda_ms(lambda: layer.forward(query, metadata, output)) for _ in range(count)
+        _timed(lambda: layer.forward(query, metadata, output))[1] for _ in range(count)
     )
     flop = sum(attention_pairs(p) for p in prompts) * 4 * layer.num_heads
     flop *= layer.head_size
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 block_size,
                 max_prompt_len=longest,
                 max_batch_tokens=batch_tokens,
-                num_blocks=max(args.prompts) * -(-longest // block_size),
+                num_blocks=max(args.prompts) * cdiv(longest, block_size),
             )
             paths = ["dense"]
             if block_size == args.ranged_block_size:

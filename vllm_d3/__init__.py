@@ -35,6 +35,14 @@ def installed_hooks() -> list[str]:
     return list(_installed)
 
 
+def owns_custom_backend() -> bool:
+    """Whether vLLM's ``CUSTOM`` attention backend is the dense-piece one."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    custom = AttentionBackendEnum.CUSTOM
+    return custom.is_overridden() and custom.get_path() == DENSE_ATTENTION_BACKEND
+
+
 def check_vllm_version(version: str) -> None:
     if not version.startswith(f"{SUPPORTED_VLLM}."):
         raise RuntimeError(
@@ -87,7 +95,7 @@ def register() -> None:
     # Under the "vllm" logger, so that it shares vLLM's handlers and level.
     logger = init_logger(f"vllm.{__name__}")
     custom = AttentionBackendEnum.CUSTOM
-    if not custom.is_overridden() or custom.get_path() == DENSE_ATTENTION_BACKEND:
+    if not custom.is_overridden() or owns_custom_backend():
         register_backend(custom, DENSE_ATTENTION_BACKEND)
         _installed.append("AttentionBackendEnum.CUSTOM")
     else:

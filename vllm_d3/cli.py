@@ -2,9 +2,9 @@
 
 ``vllm-d3 demo`` shows the main job in one command. It builds (once, into a cache
 directory) a tiny ``prefix_bidir`` D3 checkpoint with the factory, serves it with
-``vllm serve`` on loopback (``vllm_d3.testing.server.Server``: with
-``--gdn-prefill-backend triton``, which installs without FlashInfer's GDN kernels
-need, and nothing else), sends one /v1/systemone request (a
+``vllm serve`` on loopback (``vllm_d3.testing.server.Server``, whose only flag is
+``--gdn-prefill-backend triton``: a vLLM install without FlashInfer's GDN
+kernels needs it), sends one /v1/systemone request (a
 text state with a noul, a choice and a score question), prints vLLM's answers
 next to the reference runtime's, shuts the server down, and exits 1 if an answer
 differs by more than the tolerance. ``--model`` serves a real checkpoint (a path

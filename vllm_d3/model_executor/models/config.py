@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 from vllm.model_executor.models import config as upstream
 
-from vllm_d3 import DENSE_ATTENTION_BACKEND, installed_hooks
+from vllm_d3 import installed_hooks, owns_custom_backend
 
 from .d3_contract import (
     attention_mode_of,
@@ -81,19 +81,18 @@ def _select_full_attention(vllm_config: "VllmConfig") -> None:
 
     attention = vllm_config.attention_config
     kind = KVCacheSpecKind.FULL_ATTENTION.value
-    custom = AttentionBackendEnum.CUSTOM
     chosen = attention.backend_per_kind.get(kind, attention.backend)
     reason: str | None
     if chosen is not None:
         reason = f"{chosen.name} was chosen"
-    elif not custom.is_overridden() or custom.get_path() != DENSE_ATTENTION_BACKEND:
+    elif not owns_custom_backend():
         reason = "the CUSTOM attention backend belongs to another plugin"
     elif attention.flash_attn_version not in (None, 3):
         reason = f"FlashAttention {attention.flash_attn_version} was chosen"
     else:
         reason = dense_attention_unavailable()
     if reason is None:
-        attention.backend_per_kind[kind] = custom
+        attention.backend_per_kind[kind] = AttentionBackendEnum.CUSTOM
         logger.info(
             "D3 prefix_bidir: full-attention layers on %s (FlashAttention 3 over "
             "dense state and question pieces; ranged Triton for a batch that does "
