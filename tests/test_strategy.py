@@ -70,22 +70,37 @@ def independent_state_size(
 
 
 class RecordingEngine:
-    """Stands in for the GPU engine: records each read, answers fixed logits."""
+    """Stands in for the GPU engine: records each read, answers fixed logits,
+    scaled by k + 1 for the k-th question of a packed read."""
 
-    def __init__(self, model_config, num_codes: int):
-        self.model_config = model_config
+    def __init__(self, vllm_config, num_codes: int):
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
         self.reads: list[tuple[dict, object]] = []
+        self.request_ids: list[str] = []
         self.logits = torch.linspace(2.0, -2.0, num_codes)
 
     async def encode(self, engine_input, params, request_id, **kwargs):
         self.reads.append((engine_input, params))
-        yield SimpleNamespace(error=None, outputs=SimpleNamespace(data=self.logits))
+        self.request_ids.append(request_id)
+        questions = len((params.extra_kwargs or {}).get("d3_question_ends", [0]))
+        data = torch.cat([self.logits * (k + 1) for k in range(questions)])
+        yield SimpleNamespace(
+            error=None,
+            outputs=SimpleNamespace(data=data),
+            prompt_token_ids=engine_input["prompt_token_ids"],
+            num_cached_tokens=0,
+        )
 
 
-def make_strategy(path: str):
-    config = EngineArgs(model=path, max_model_len=4096).create_engine_config()
+def make_strategy(path: str, state_once: bool = False, max_model_len: int = 4096):
+    """The strategy as the front end builds it. The config hook turns state once
+    off without a Hopper GPU; ``state_once`` sets what it would decide there."""
+    config = EngineArgs(model=path, max_model_len=max_model_len).create_engine_config()
+    if "d3_state_once" in config.additional_config:
+        config.additional_config["d3_state_once"] = state_once
     renderer = renderer_from_config(config)
-    engine = RecordingEngine(config.model_config, 255)
+    engine = RecordingEngine(config, 255)
     online = OnlineRenderer(
         config.model_config,
         renderer,

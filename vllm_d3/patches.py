@@ -17,9 +17,10 @@ a D3 ``prefix_bidir`` checkpoint, and ``apply`` is idempotent.
    at ``:138-253`` never reads ``extra_kwargs``): every request of every entry point
    (``LLM.classify``, ``/classify``, ``/pooling``, ``/v1/systemone``) passes here
    with its final prompt. The wrapper refuses a prefix_bidir request whose
-   ``d3_state_tokens`` is missing or invalid with a ``VLLMValidationError`` (a 400
-   online) naming the field, so no request ever runs with a silent single block
-   and a bad request never reaches the engine core.
+   ``d3_state_tokens`` is missing or invalid, or whose ``d3_question_ends`` (a
+   packed request's question blocks) is invalid, with a ``VLLMValidationError``
+   (a 400 online) naming the field, so no request ever runs with a silent single
+   block and a bad request never reaches the engine core.
 """
 
 from collections.abc import Callable
@@ -33,9 +34,13 @@ from vllm.renderers.inputs.preprocess import prompt_to_seq
 from vllm.v1.engine.input_processor import InputProcessor
 
 from .model_executor.models.d3_contract import (
+    QUESTION_ENDS_KEY,
+    STATE_ONCE_KEY,
     STATE_TOKENS_KEY,
     decision_config_of,
     is_prefix_bidir,
+    question_ends_of,
+    state_once_of,
     state_tokens_of,
 )
 
@@ -99,13 +104,24 @@ def _wrap_process_inputs(original: Callable) -> Callable:
             prompt_len = len(request.prompt_token_ids)
         else:
             prompt_len = int(request.prompt_embeds.shape[0])
+        extra = params.extra_kwargs or {}
         try:
-            state_tokens_of(params.extra_kwargs, prompt_len)
+            state_tokens = state_tokens_of(extra, prompt_len)
         except ValueError as e:
             raise VLLMValidationError(
-                str(e),
-                parameter=STATE_TOKENS_KEY,
-                value=(params.extra_kwargs or {}).get(STATE_TOKENS_KEY),
+                str(e), parameter=STATE_TOKENS_KEY, value=extra.get(STATE_TOKENS_KEY)
+            ) from e
+        try:
+            ends = question_ends_of(extra, prompt_len, state_tokens)
+            if len(ends) > 1 and not state_once_of(self.vllm_config.additional_config):
+                # Ranged attention would let each question see the ones before it.
+                raise ValueError(
+                    f"this server reads one question per request ({STATE_ONCE_KEY} "
+                    f"is off): {QUESTION_ENDS_KEY} must hold one end"
+                )
+        except ValueError as e:
+            raise VLLMValidationError(
+                str(e), parameter=QUESTION_ENDS_KEY, value=extra.get(QUESTION_ENDS_KEY)
             ) from e
         return request
 

@@ -34,7 +34,16 @@ BATCHES = {
     "partly computed, c < s": [Prompt(900, 1100, computed=400)],
     "partly computed, c >= s": [Prompt(500, 800, computed=600)],
     "mixed, some computed": [Prompt(600, 700, computed=100), Prompt(50, 900)],
+    # The state read once: each question block sees the state and itself only.
+    "packed": [Prompt(1700, 2150, question_ends=(1850, 1900, 2150))],
+    "packed beside one question": [
+        Prompt(300, 450),
+        Prompt(900, 1300, question_ends=(1000, 1001, 1150, 1300)),
+        Prompt(20, 90, question_ends=(50, 90)),
+    ],
 }
+#: Batches that only the dense path runs (ranged Triton cannot express them).
+PACKED = {"packed", "packed beside one question"}
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +63,30 @@ def test_dense_pieces_match_ranged_triton_and_the_reference(layer, name):
     prompts = BATCHES[name]
     assert layer.routed_path(prompts) == "dense"
     query = layer.random_query(prompts)
+    keys_values = layer.fresh_keys_values(prompts)
     expected = layer.reference(prompts, query)
-    dense = layer.forward(query, layer.metadata(prompts, "dense"))
-    ranged = layer.forward(query, layer.metadata(prompts, "ranged"))
+    dense = layer.forward(query, layer.metadata(prompts, "dense"), keys_values)
     assert (dense.float() - expected.float()).abs().max() < TOLERANCE
+    if name in PACKED:
+        return
+    ranged = layer.forward(query, layer.metadata(prompts, "ranged"), keys_values)
     assert (ranged.float() - expected.float()).abs().max() < TOLERANCE
     assert (dense.float() - ranged.float()).abs().max() < TOLERANCE
+
+
+def test_packed_questions_do_not_see_each_other(layer):
+    # The same packed prompt read as one question (every query after the state
+    # sees all keys) is far from the packed reference.
+    packed = [Prompt(1700, 2150, question_ends=(1850, 1900, 2150))]
+    query = layer.random_query(packed)
+    expected = layer.reference(packed, query)
+    one_question = [Prompt(1700, 2150)]
+    wrong = layer.forward(
+        query,
+        layer.metadata(one_question, "dense"),
+        layer.fresh_keys_values(one_question),
+    )
+    assert (wrong.float() - expected.float()).abs().max() > 10 * TOLERANCE
 
 
 def test_the_check_sees_a_wrong_mask(layer):
@@ -71,7 +98,7 @@ def test_the_check_sees_a_wrong_mask(layer):
     common = layer.common_metadata(prompts)
     common.mm_req_doc_ranges = None
     causal = layer.builder.build(0, common)
-    wrong = layer.forward(query, causal)
+    wrong = layer.forward(query, causal, layer.fresh_keys_values(prompts))
     assert (wrong.float() - expected.float()).abs().max() > 10 * TOLERANCE
 
 

@@ -6,14 +6,18 @@ real ``Attention`` layer at the checkpoint's head shape (so vLLM's selector pick
 its backend), a paged bf16/fp16 KV cache of random keys and values, and the
 backend's metadata builder. ``forward(prompts, query, path)`` then runs one
 prefill step over whole prompts the way the model runner does: the batch's
-``CommonAttentionMetadata`` carries each prompt's two PrefixLM ranges, the
-builder makes the metadata, and the layer's impl computes the attention.
+``CommonAttentionMetadata`` carries each prompt's ranges (the state, then each
+question block; a packed prompt has several), the builder makes the metadata,
+and the layer's impl computes the attention, with the step's fresh keys and
+values read back from the cache (where the runner has just written them).
 
 ``path`` picks the child of the D3 composite: ``"dense"`` (FlashAttention 3
-over the plugin's dense pieces) or ``"ranged"`` (vLLM's ranged Triton), so
-both are measured and checked on the same inputs. ``reference`` is an
-independent float32 PyTorch attention with the prefix_bidir mask written out
-from its definition. CUDA only: the GPU test and the attention benchmark use it.
+over the plugin's dense pieces) or ``"ranged"`` (vLLM's ranged Triton, which
+cannot run packed prompts), so both are measured and checked on the same
+inputs. ``reference`` is an independent float32 PyTorch attention with the mask
+written out from its definition: a state query sees the state, a question query
+sees the state and its own question block. CUDA only: the GPU test and the
+attention benchmark use it.
 """
 
 import itertools
@@ -41,21 +45,34 @@ _layer_ids = itertools.count()
 @dataclass(frozen=True)
 class Prompt:
     """A prompt of ``prompt_len`` tokens whose first ``state_tokens`` are the
-    state; ``computed`` tokens were computed in earlier steps."""
+    state; ``computed`` tokens were computed in earlier steps. A packed prompt
+    (the state read once) lists where each of its question blocks ends."""
 
     state_tokens: int
     prompt_len: int
     computed: int = 0
+    question_ends: tuple[int, ...] = ()
 
     @property
     def query_len(self) -> int:
         return self.prompt_len - self.computed
 
+    def question_blocks(self) -> list[tuple[int, int]]:
+        """``[start, end)`` of each question block (none: all state)."""
+        ends = self.question_ends or (
+            (self.prompt_len,) if self.state_tokens < self.prompt_len else ()
+        )
+        return list(zip((self.state_tokens, *ends), ends, strict=False))
+
 
 def attention_pairs(prompt: Prompt) -> int:
-    """(query, key) pairs the prefix_bidir mask allows for the prompt's queries."""
-    s, n, c = prompt.state_tokens, prompt.prompt_len, prompt.computed
-    return max(s - c, 0) * s + (n - max(s, c)) * n
+    """(query, key) pairs the mask allows for the prompt's queries."""
+    s, c = prompt.state_tokens, prompt.computed
+    pairs = max(s - c, 0) * s
+    for start, end in prompt.question_blocks():
+        # A question block sees the state and itself (one question: every key).
+        pairs += max(end - max(start, c), 0) * (s + end - start)
+    return pairs
 
 
 class FullAttentionLayer:
@@ -157,7 +174,10 @@ class FullAttentionLayer:
             block_table_tensor=self.block_table(prompts),
             slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
             mm_req_doc_ranges={
-                row: [(0, p.state_tokens - 1), (p.state_tokens, p.prompt_len - 1)]
+                row: [
+                    (start, end - 1)
+                    for start, end in [(0, p.state_tokens), *p.question_blocks()]
+                ]
                 for row, p in enumerate(prompts)
             },
         )
@@ -179,17 +199,35 @@ class FullAttentionLayer:
         metadata._attention_backend_variant = variant
         return metadata
 
+    def fresh_keys_values(
+        self, prompts: list[Prompt]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's own keys and values, (tokens, kv_heads, head_size) each:
+        what the runner wrote into the cache just before attention."""
+        table = self.block_table(prompts)
+        keys, values = [], []
+        for row, prompt in enumerate(prompts):
+            k, v = self.cached_keys_values(prompt, row, table, dtype=self.dtype)
+            keys.append(k[prompt.computed :])
+            values.append(v[prompt.computed :])
+        return torch.cat(keys), torch.cat(values)
+
     def forward(
-        self, query: torch.Tensor, metadata, output: torch.Tensor | None = None
+        self,
+        query: torch.Tensor,
+        metadata,
+        keys_values: tuple[torch.Tensor, torch.Tensor],
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The layer's attention; ``keys_values``: ``fresh_keys_values``."""
         if output is None:
             output = torch.empty_like(query)
-        # Prefill attention reads keys and values from the cache only.
+        key, value = keys_values
         self.layer.impl.forward(
             self.layer,  # type: ignore[arg-type]
             query,
-            query,
-            query,
+            key,
+            value,
             self.kv_cache,
             metadata,
             output,
@@ -197,18 +235,23 @@ class FullAttentionLayer:
         return output
 
     def cached_keys_values(
-        self, prompt: Prompt, row: int, table: torch.Tensor
+        self,
+        prompt: Prompt,
+        row: int,
+        table: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt's keys and values, (n, kv_heads, head_size) each."""
         blocks = table[row, : cdiv(prompt.prompt_len, self.block_size)].long()
         pages = self.kv_cache[blocks].transpose(1, 2)
         pages = pages.reshape(-1, self.num_kv_heads, 2 * self.head_size)
-        pages = pages[: prompt.prompt_len].float()
+        pages = pages[: prompt.prompt_len].to(dtype)
         return pages[..., : self.head_size], pages[..., self.head_size :]
 
     def reference(self, prompts: list[Prompt], query: torch.Tensor) -> torch.Tensor:
         """float32 attention with the mask written from the definition: a state
-        query sees the state, a question query sees every token."""
+        query sees the state, a question query sees the state and its own
+        question block."""
         table = self.block_table(prompts)
         group = self.num_heads // self.num_kv_heads
         outputs = []
@@ -221,9 +264,10 @@ class FullAttentionLayer:
             start += prompt.query_len
             positions = torch.arange(prompt.computed, prompt.prompt_len)
             visible = torch.zeros(prompt.query_len, prompt.prompt_len, dtype=torch.bool)
-            in_state = positions < prompt.state_tokens
-            visible[in_state, : prompt.state_tokens] = True
-            visible[~in_state, :] = True
+            visible[:, : prompt.state_tokens] = True
+            for first, end in prompt.question_blocks():
+                in_block = (first <= positions) & (positions < end)
+                visible[in_block, first:end] = True
             scores = torch.einsum("qhd,khd->hqk", q, keys) * self.head_size**-0.5
             scores.masked_fill_(~visible.to(self.device), float("-inf"))
             out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)

@@ -19,6 +19,12 @@
   registered as vLLM's ``CUSTOM``) through ``attention_config.backend_per_kind``
   when the platform runs it and the user chose no attention backend; otherwise
   vLLM's own selection (ranged Triton) stays. The log says which, and why.
+- Where the dense-piece backend serves, /v1/systemone reads each request's state
+  once unless ``--additional-config '{"d3_state_once": false}'``; the hook
+  writes the decision back into ``additional_config`` so that every process
+  (front end, engine, workers) agrees, and logs it.
+- The Gated DeltaNet prefill kernel is Triton/FLA (the validated one) unless
+  ``--gdn-prefill-backend`` chose another.
 """
 
 from typing import TYPE_CHECKING
@@ -29,10 +35,12 @@ from vllm.model_executor.models import config as upstream
 from vllm_d3 import installed_hooks, owns_custom_backend
 
 from .d3_contract import (
+    STATE_ONCE_KEY,
     attention_mode_of,
     check_decision_fields,
     decision_config_of,
     is_prefix_bidir,
+    state_once_of,
     validated_length_of,
 )
 
@@ -41,6 +49,11 @@ if TYPE_CHECKING:
 
 # Under the "vllm" logger, so that it shares vLLM's handlers and level.
 logger = init_logger(f"vllm.{__name__}")
+#: Where ``--gdn-prefill-backend`` lands (``vllm_config.additional_config``).
+GDN_PREFILL_BACKEND_KEY = "gdn_prefill_backend"
+#: The Gated DeltaNet prefill kernel every GPU validation of the plugin ran on
+#: (Triton/FLA); vLLM's "auto" would pick FlashInfer on Hopper.
+VALIDATED_GDN_PREFILL_BACKEND = "triton"
 
 
 def _apply_validated_length(model_config: "ModelConfig", validated_length: int) -> None:
@@ -70,7 +83,9 @@ def _apply_validated_length(model_config: "ModelConfig", validated_length: int) 
     )
 
 
-def _select_full_attention(vllm_config: "VllmConfig") -> None:
+def _select_full_attention(vllm_config: "VllmConfig") -> bool:
+    """Put the full-attention layers on the dense-piece backend where it runs;
+    whether it does."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.kv_cache_interface import KVCacheSpecKind
 
@@ -100,12 +115,58 @@ def _select_full_attention(vllm_config: "VllmConfig") -> None:
             "vLLM's ranged attention instead.",
             BACKEND_NAME,
         )
+        return True
+    logger.info(
+        "D3 prefix_bidir: full-attention layers on vLLM's own selection "
+        "(ranged attention), not %s: %s",
+        BACKEND_NAME,
+        reason,
+    )
+    return False
+
+
+def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
+    """Decide, once for every process, whether /v1/systemone reads a request's
+    state once (packed questions), and keep the Gated DeltaNet prefill on the
+    kernel the packed path was validated on."""
+    extra = vllm_config.additional_config
+    if not isinstance(extra, dict):
+        raise ValueError(
+            "D3 prefix_bidir needs --additional-config to be a JSON object, not "
+            f"{type(extra).__name__}"
+        )
+    requested = state_once_of(extra)
+    extra[STATE_ONCE_KEY] = requested and dense_attention
+    if extra[STATE_ONCE_KEY]:
+        logger.info(
+            "D3 prefix_bidir: /v1/systemone reads each request's state once (the "
+            "questions packed into one engine request). --additional-config "
+            "'{\"%s\": false}' sends one engine request per question instead.",
+            STATE_ONCE_KEY,
+        )
     else:
         logger.info(
-            "D3 prefix_bidir: full-attention layers on vLLM's own selection "
-            "(ranged attention), not %s: %s",
-            BACKEND_NAME,
-            reason,
+            "D3 prefix_bidir: /v1/systemone sends one engine request per question (%s)",
+            f"{STATE_ONCE_KEY} is false"
+            if not requested
+            else "reading the state once needs the dense-piece attention",
+        )
+    chosen = extra.get(GDN_PREFILL_BACKEND_KEY)
+    if chosen is None:
+        extra[GDN_PREFILL_BACKEND_KEY] = VALIDATED_GDN_PREFILL_BACKEND
+        logger.info(
+            "D3 prefix_bidir: Gated DeltaNet prefill on %s, the kernel its "
+            "state-once path was validated on (--gdn-prefill-backend chooses "
+            "another)",
+            VALIDATED_GDN_PREFILL_BACKEND,
+        )
+    elif chosen != VALIDATED_GDN_PREFILL_BACKEND and extra[STATE_ONCE_KEY]:
+        logger.warning(
+            "D3 prefix_bidir: --gdn-prefill-backend %s was chosen; the state-once "
+            "path restarts each question from the state on it unvalidated (it was "
+            "validated on %s)",
+            chosen,
+            VALIDATED_GDN_PREFILL_BACKEND,
         )
 
 
@@ -173,4 +234,4 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
                 "D3 prefix_bidir checkpoints do not support chunked prefill: a state "
                 "or question block must be read whole. Drop --enable-chunked-prefill."
             )
-        _select_full_attention(vllm_config)
+        _select_reads(vllm_config, _select_full_attention(vllm_config))

@@ -11,6 +11,9 @@ config hook (start-up), the read strategy (API server) and the worker:
 - ``check_prompt_layout``: only the ``d3`` layout (or none) is understood.
 - ``temperature_schedule_of``: the d3-ultra ``temperature_by_questions`` rule or None.
 - ``state_tokens_of``: the ``d3_state_tokens`` a prefix_bidir request must carry.
+- ``state_once_of``: the ``d3_state_once`` switch of ``--additional-config``.
+- ``question_ends_of``: the ``d3_question_ends`` of a packed request (the state
+  read once, then several question blocks), or the one question of any other.
 
 Every malformed value raises ``ValueError`` naming the field and the value; nothing
 is ignored or clamped.
@@ -25,6 +28,13 @@ PREFIX_BIDIR = "prefix_bidir"
 ATTENTION_MODES = ("causal", "noncausal_full_attention", PREFIX_BIDIR)
 #: The PoolingParams.extra_kwargs key carrying a request's state block size.
 STATE_TOKENS_KEY = "d3_state_tokens"
+#: The PoolingParams.extra_kwargs key carrying where each question block of a
+#: packed prompt (``state || q1 || ... || qQ``) ends.
+QUESTION_ENDS_KEY = "d3_question_ends"
+#: The ``--additional-config`` key that turns reading the state once off
+#: (``false``: one engine request per question). The config hook replaces it
+#: with what the server does.
+STATE_ONCE_KEY = "d3_state_once"
 #: The prompt layouts this plugin renders. ``header-v1`` (d3-ultra) is not public.
 PROMPT_LAYOUTS = ("d3",)
 
@@ -149,5 +159,41 @@ def state_tokens_of(extra_kwargs: Mapping[str, Any] | None, prompt_len: int) -> 
     if not 1 <= value <= prompt_len:
         raise ValueError(
             f"{STATE_TOKENS_KEY}={value} is outside 1..{prompt_len} (the prompt length)"
+        )
+    return value
+
+
+def question_ends_of(
+    extra_kwargs: Mapping[str, Any] | None, prompt_len: int, state_tokens: int
+) -> list[int]:
+    """Where each question block ends: ``s < e1 < ... < eQ == n``, block ``i``
+    being ``[e(i-1), ei)`` with ``e0 = s``. A prompt without the key is one
+    question, ``[n]`` (or none when it is all state)."""
+    if not extra_kwargs or QUESTION_ENDS_KEY not in extra_kwargs:
+        return [prompt_len] if state_tokens < prompt_len else []
+    ends = extra_kwargs[QUESTION_ENDS_KEY]
+    if (
+        not isinstance(ends, list)
+        or not ends
+        or not all(_is_int(e) for e in ends)
+        or ends[-1] != prompt_len
+        or any(a >= b for a, b in zip([state_tokens, *ends], ends, strict=False))
+    ):
+        raise ValueError(
+            f"{QUESTION_ENDS_KEY} must be a non-empty list of ints increasing from "
+            f"above {STATE_TOKENS_KEY}={state_tokens} to the prompt length "
+            f"{prompt_len}, not {ends!r}"
+        )
+    return list(ends)
+
+
+def state_once_of(additional_config: Any) -> bool:
+    """``additional_config["d3_state_once"]``: a bool, true when absent."""
+    if not isinstance(additional_config, Mapping):
+        return True
+    value = additional_config.get(STATE_ONCE_KEY, True)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"--additional-config {STATE_ONCE_KEY} must be true or false, not {value!r}"
         )
     return value

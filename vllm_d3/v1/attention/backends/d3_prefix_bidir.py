@@ -4,30 +4,46 @@
 (upstream: ``v1/attention/backends/d3_prefix_bidir.py``, a new file beside
 ``triton_flash_attn.py``).
 
-A prefix_bidir row reads two PrefixLM ranges, the state ``[0, s)`` and the
-question ``[s, n)``; the mask is causal OR both ways inside one range. When a
-row's ranges tile its whole sequence, a query inside range ``[a, b]`` sees
-exactly the keys ``[0, b]``: each range is one dense, non-causal piece. So a
-batch whose every ranged row is scheduled to its end is plain non-causal
-attention over virtual sequences (one per range), which FlashAttention 3 runs
-at full speed, instead of the ranged Triton kernel that scans every key for
-every row.
+A prefix_bidir row carries its ranges in ``mm_req_doc_ranges``: the state
+``[0, s)`` first, then one range per question block, tiling the row. Every
+question reads the state and itself both ways; the state reads itself.
+
+- A row with one question (``[(0, s - 1), (s, n - 1)]``) is vLLM's PrefixLM
+  mask (causal OR both ways inside one range): a query inside range ``[a, b]``
+  sees exactly the keys ``[0, b]``, so each range is one dense, non-causal
+  piece.
+- A packed row (``state || q1 || ... || qQ``, ``Q >= 2``; the state read once
+  for all its questions) is not a PrefixLM mask: question ``i`` must not see
+  questions ``1 .. i - 1``. Its pieces are the state over the state keys, all
+  its question rows over the state keys ``[0, s)``, and each question over its
+  own keys, which are this step's fresh keys; the question rows' two partial
+  results are merged by their log-sum-exp (vLLM's ``merge_attn_states``). The
+  ranged Triton kernel cannot express it, so a packed row runs only here.
+
+So a batch whose every ranged row is scheduled to its end is plain non-causal
+attention over virtual sequences, which FlashAttention 3 runs at full speed,
+instead of the ranged Triton kernel that scans every key for every row.
 
 - ``dense_pieces`` turns a batch (``CommonAttentionMetadata`` with
   ``mm_req_doc_ranges``) into virtual sequences, or returns None when it cannot
   be expressed so: a ranged row that stops before its last range ends (a prompt
   split across steps), ranges that do not tile the row, or a row without ranges
-  that has more than one query (plain causal attention).
+  that has more than one query (plain causal attention). Its ``questions`` are
+  the packed rows' question blocks, the own-key pieces.
 - ``dense_piece_metadata`` rewrites the batch metadata for those virtual
   sequences: ``cu_seqlens_q`` per piece, ``seqused_k`` = the piece's last key + 1,
   the row's block-table row repeated for each of its pieces, ``causal=False``.
   KV writes do not read it (they run before attention, on the real slots).
+  ``D3DenseFlashAttentionImpl`` runs the own-key pieces and the merge when the
+  batch has packed rows (``D3FlashAttentionMetadata.questions``).
 - ``D3PrefixBidirAttentionBackend`` is a composite (0.33.0's
   ``create_composite_attention_backend``) of the ranged Triton backend and a
   FlashAttention 3 backend whose builder applies ``dense_pieces``.
   ``DensePieceRouting`` sends a batch to FlashAttention when ``dense_pieces``
   can express it (or it has no ranges: plain causal FlashAttention) and to
-  ranged Triton otherwise, logging the first such fallback.
+  ranged Triton otherwise, logging the first such fallback. A batch with a
+  packed row that does not split into pieces is refused (``PackedRowError``):
+  no kernel here computes its mask.
 - The FlashAttention child declares kernel blocks of ``KEY_TILE_TOKENS`` (80)
   tokens, so vLLM sizes the hybrid KV block of d3-turbo at 800 tokens instead of
   784: whole key tiles per page, which FlashAttention 3 reads faster.
@@ -40,7 +56,7 @@ where ``dense_attention_unavailable`` finds nothing missing: a Hopper GPU with
 vLLM's FlashAttention 3.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -56,11 +72,13 @@ from vllm.v1.attention.backends.composite import (
 from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
+    FlashAttentionImpl,
     FlashAttentionMetadata,
     FlashAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
-from vllm.v1.kv_cache_interface import KVCacheSpec
+from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+from vllm.v1.kv_cache_interface import KVCacheSpec, is_quantized_kv_cache
 
 #: The backend's name in logs; vLLM's selector knows it as ``CUSTOM``.
 BACKEND_NAME = "D3_PREFIX_BIDIR"
@@ -84,6 +102,14 @@ class DensePieces:
     """(num_pieces + 1,) int32, where each piece's queries start in the batch."""
     seq_lens: np.ndarray
     """(num_pieces,) int32, the keys each piece reads: positions [0, seq_len)."""
+    questions: np.ndarray
+    """(num_questions, 2) int64, the packed rows' question blocks as
+    ``[start, end)`` in the batch's tokens: each also reads its own keys."""
+
+
+class PackedRowError(RuntimeError):
+    """A packed row (the state read once for several questions) that the dense
+    pieces cannot run; no other kernel here computes its mask."""
 
 
 def _tiled_spans(spans: list[tuple[int, int]], seq_len: int) -> bool:
@@ -96,6 +122,17 @@ def _tiled_spans(spans: list[tuple[int, int]], seq_len: int) -> bool:
     return next_start == seq_len
 
 
+def _spans(ranges: Ranges, row: int) -> list[tuple[int, int]]:
+    # A range with end < start is empty (a prompt that is all state).
+    return sorted((a, b) for a, b in ranges.get(row, ()) if a <= b)
+
+
+def has_packed_rows(metadata: CommonAttentionMetadata) -> bool:
+    """Whether a row holds a state and two or more question blocks."""
+    ranges: Ranges = metadata.mm_req_doc_ranges or {}
+    return any(len(_spans(ranges, row)) > 2 for row in ranges)
+
+
 def dense_pieces(metadata: CommonAttentionMetadata) -> DensePieces | None:
     """The batch's dense pieces, or None when it cannot be split into them."""
     ranges: Ranges = metadata.mm_req_doc_ranges or {}
@@ -106,30 +143,48 @@ def dense_pieces(metadata: CommonAttentionMetadata) -> DensePieces | None:
     rows: list[int] = []
     piece_starts: list[int] = []
     piece_keys: list[int] = []
+    questions: list[tuple[int, int]] = []
+
+    def add_piece(row: int, first_query: int, keys: int) -> None:
+        rows.append(row)
+        piece_starts.append(first_query)
+        piece_keys.append(keys)
+
     for row in range(metadata.num_reqs):
         query_begin = int(starts[row])
         query_len = int(starts[row + 1]) - query_begin
         seq_len = int(seq_lens[row])
         first_query = seq_len - query_len
-        # A range with end < start is empty (a prompt that is all state).
-        spans = sorted((a, b) for a, b in ranges.get(row, ()) if a <= b)
+        spans = _spans(ranges, row)
         if not spans:
             if query_len > 1:
                 return None  # causal attention over several queries
             if query_len == 1:
                 # One query at the end of its sequence: causal is non-causal.
-                rows.append(row)
-                piece_starts.append(query_begin)
-                piece_keys.append(seq_len)
+                add_piece(row, query_begin, seq_len)
             continue
         if not _tiled_spans(spans, seq_len):
             return None
+        if len(spans) > 2:
+            # Packed: every question reads the state and its own block, so all
+            # of them must be in this step.
+            state_tokens = spans[0][1] + 1
+            if first_query > state_tokens:
+                return None
+            if first_query < state_tokens:
+                add_piece(row, query_begin, state_tokens)
+            # All question rows over the state keys, in one piece ...
+            add_piece(row, query_begin + state_tokens - first_query, state_tokens)
+            # ... and each over its own keys, merged with it.
+            questions.extend(
+                (query_begin + a - first_query, query_begin + b + 1 - first_query)
+                for a, b in spans[1:]
+            )
+            continue
         for start, end in spans:
             if end < first_query:
                 continue  # computed in an earlier step
-            rows.append(row)
-            piece_starts.append(query_begin + max(start, first_query) - first_query)
-            piece_keys.append(end + 1)
+            add_piece(row, query_begin + max(start, first_query) - first_query, end + 1)
     if not rows:
         return None
     piece_starts.append(int(starts[metadata.num_reqs]))
@@ -137,6 +192,7 @@ def dense_pieces(metadata: CommonAttentionMetadata) -> DensePieces | None:
         rows=np.asarray(rows, dtype=np.int64),
         query_start_loc=np.asarray(piece_starts, dtype=np.int32),
         seq_lens=np.asarray(piece_keys, dtype=np.int32),
+        questions=np.asarray(questions, dtype=np.int64).reshape(-1, 2),
     )
 
 
@@ -189,6 +245,36 @@ def dense_attention_unavailable() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class QuestionBlocks:
+    """The packed rows' question blocks, on the device, for the own-key pass."""
+
+    token_index: torch.Tensor
+    """(num_question_tokens,) int64, the blocks' tokens in the batch, in order."""
+    cu_seqlens: torch.Tensor
+    """(num_questions + 1,) int32, where each block starts in ``token_index``."""
+    max_len: int
+
+
+def question_blocks(questions: np.ndarray, device: torch.device) -> QuestionBlocks:
+    lengths = questions[:, 1] - questions[:, 0]
+    token_index = np.concatenate([np.arange(a, b) for a, b in questions])
+    cu_seqlens = np.zeros(len(questions) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu_seqlens[1:])
+    return QuestionBlocks(
+        token_index=torch.from_numpy(token_index).to(device, non_blocking=True),
+        cu_seqlens=torch.from_numpy(cu_seqlens).to(device, non_blocking=True),
+        max_len=int(lengths.max()),
+    )
+
+
+@dataclass
+class D3FlashAttentionMetadata(FlashAttentionMetadata):
+    questions: QuestionBlocks | None = None
+    """Set when the batch has packed rows: their question blocks, which also
+    read their own keys."""
+
+
 class D3DenseFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     def build(
         self,
@@ -196,12 +282,138 @@ class D3DenseFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> FlashAttentionMetadata:
-        if common_attn_metadata.mm_req_doc_ranges:
-            pieces = dense_pieces(common_attn_metadata)
-            # DensePieceRouting sends only batches that split into pieces here.
-            assert pieces is not None
-            common_attn_metadata = dense_piece_metadata(common_attn_metadata, pieces)
-        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if not common_attn_metadata.mm_req_doc_ranges:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        pieces = dense_pieces(common_attn_metadata)
+        # DensePieceRouting sends only batches that split into pieces here.
+        assert pieces is not None
+        metadata = super().build(
+            common_prefix_len,
+            dense_piece_metadata(common_attn_metadata, pieces),
+            fast_build,
+        )
+        if not len(pieces.questions):
+            return metadata
+        return D3FlashAttentionMetadata(
+            **{f.name: getattr(metadata, f.name) for f in fields(metadata)},
+            questions=question_blocks(
+                pieces.questions, common_attn_metadata.query_start_loc.device
+            ),
+        )
+
+
+class D3DenseFlashAttentionImpl(FlashAttentionImpl):
+    """FlashAttention 3 over the dense pieces; for packed rows, also each
+    question block over its own keys, merged by log-sum-exp."""
+
+    def forward(  # type: ignore[override]  # FlashAttentionImpl narrows it
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        questions = getattr(attn_metadata, "questions", None)
+        if questions is None:
+            return super().forward(
+                layer,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                output,
+                output_scale,
+                output_block_scale,
+            )
+        self._check_packed_rows_supported(output_scale, output_block_scale)
+        # Defined only where vLLM's FlashAttention is built (not on the CPU).
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+        fa_version = self.vllm_flash_attn_version
+        assert fa_version is not None
+        num_tokens = attn_metadata.num_actual_tokens
+        # The cache holds one page per block: (blocks, kv heads, block size,
+        # key and value side by side); FlashAttention reads (blocks, block
+        # size, kv heads, head size) views of each half.
+        key_cache, value_cache = kv_cache.transpose(1, 2).chunk(2, dim=-1)
+        # Every piece over the paged keys: the state pieces and all question
+        # rows over the state, with the log-sum-exp of each query.
+        _, paged_lse = flash_attn_varlen_func(
+            q=query[:num_tokens],
+            k=key_cache,
+            v=value_cache,
+            out=output[:num_tokens],
+            cu_seqlens_q=attn_metadata.query_start_loc,
+            max_seqlen_q=attn_metadata.max_query_len,
+            seqused_k=attn_metadata.seq_lens,
+            max_seqlen_k=attn_metadata.max_seq_len,
+            softmax_scale=self.scale,
+            causal=False,
+            block_table=attn_metadata.block_table,
+            scheduler_metadata=attn_metadata.scheduler_metadata,
+            num_splits=attn_metadata.max_num_splits,
+            return_softmax_lse=True,
+            fa_version=fa_version,
+        )
+        # Each question block over its own keys: this step's fresh keys.
+        index = questions.token_index
+        own_output, own_lse = flash_attn_varlen_func(
+            q=query.index_select(0, index),
+            k=key.index_select(0, index),
+            v=value.index_select(0, index),
+            cu_seqlens_q=questions.cu_seqlens,
+            max_seqlen_q=questions.max_len,
+            cu_seqlens_k=questions.cu_seqlens,
+            max_seqlen_k=questions.max_len,
+            softmax_scale=self.scale,
+            causal=False,
+            return_softmax_lse=True,
+            fa_version=fa_version,
+        )
+        merged = torch.empty_like(own_output)
+        merge_attn_states(
+            merged,
+            output.index_select(0, index),
+            paged_lse.index_select(1, index).contiguous(),
+            own_output,
+            own_lse,
+        )
+        output.index_copy_(0, index, merged)
+        return output
+
+    def _check_packed_rows_supported(
+        self, output_scale: torch.Tensor | None, output_block_scale: torch.Tensor | None
+    ) -> None:
+        """Packed rows run only the plain attention of D3's backbone: bf16/fp16
+        KV, no sinks, windows, ALiBi, soft cap, context parallelism or fused
+        output quantization."""
+        unsupported = [
+            name
+            for name, present in (
+                ("a quantized KV cache", is_quantized_kv_cache(self.kv_cache_dtype)),
+                ("attention sinks", self.sinks is not None),
+                ("a sliding window", self.sliding_window is not None),
+                ("ALiBi", self.alibi_slopes is not None),
+                ("a logit soft cap", bool(self.logits_soft_cap)),
+                ("decode context parallelism", self.dcp_world_size > 1),
+                ("fused output quantization", output_scale is not None),
+                ("fused output quantization", output_block_scale is not None),
+            )
+            if present
+        ]
+        if unsupported:
+            raise PackedRowError(
+                "a packed D3 request (the state read once for several questions) "
+                f"cannot run with {', '.join(sorted(set(unsupported)))}; serve "
+                "with one request per question instead (docs/README: the state-"
+                "once switch)"
+            )
 
 
 class D3DenseFlashAttentionBackend(FlashAttentionBackend):
@@ -220,6 +432,10 @@ class D3DenseFlashAttentionBackend(FlashAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[D3DenseFlashAttentionMetadataBuilder]:
         return D3DenseFlashAttentionMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[D3DenseFlashAttentionImpl]:
+        return D3DenseFlashAttentionImpl
 
     @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
@@ -267,6 +483,11 @@ class DensePieceRouting(MMPrefixAttentionRouting):
     def select(self, metadata: CommonAttentionMetadata) -> int:
         if not metadata.mm_req_doc_ranges or dense_pieces(metadata) is not None:
             return 1
+        if has_packed_rows(metadata):
+            raise PackedRowError(
+                "a packed D3 request (the state read once for several questions) "
+                "was not scheduled whole in one step; it has no other kernel"
+            )
         logger.info_once(
             "vllm-d3: a batch that does not split into dense pieces (a prompt "
             "split across steps, or causal rows beside ranged ones) runs on the "

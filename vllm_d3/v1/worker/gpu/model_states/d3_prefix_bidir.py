@@ -7,28 +7,43 @@
 picks for Qwen3.5, so the hybrid bookkeeping (Mamba "align" seeding and pre-copy,
 spec-decode counters) is kept as it is. On top of it:
 
-- ``add_request`` reads the request's ``PoolingParams.extra_kwargs["d3_state_tokens"]``
-  (``s``, validated by ``state_tokens_of``: an int, ``1 <= s <= n``) and keeps
-  ``(s, n)`` per request id until ``remove_request``. vLLM's own warm-up requests
-  carry no size; they are split in the middle, which compiles the ranged kernels.
-- ``prefix_ranges`` gives, per batch row, the request's two PrefixLM ranges
-  ``[0, s)`` and ``[s, n)`` with the inclusive ends the attention backends take:
-  ``[(0, s - 1), (s, n - 1)]``. Attention is then causal OR both ways inside one
-  range: the state reads itself both ways, the question reads the state and itself
-  both ways, the state never sees the question. No image ranges are added: they lie
-  inside the state block and ranges must not overlap.
+- ``add_request`` reads the request's ``PoolingParams.extra_kwargs``: its
+  ``d3_state_tokens`` (``s``, validated by ``state_tokens_of``: an int,
+  ``1 <= s <= n``) and, for a packed request (``state || q1 || ... || qQ``, the
+  state read once for several questions), its ``d3_question_ends``
+  (``question_ends_of``). It keeps them per request id until
+  ``remove_request``. vLLM's own warm-up requests carry no size; they are split
+  in the middle, which compiles the ranged kernels.
+- A packed request's question tokens get the M-RoPE positions they have in
+  their own prompt ``state || qi``: the position after the state's last, plus
+  the offset in the block (staged beside the state's own positions, before the
+  runner applies the step's staged writes).
+- ``prefix_ranges`` gives, per batch row, the state range then one range per
+  question block, with the inclusive ends the attention backends take:
+  ``[(0, s - 1), (s, e1 - 1), (e1, e2 - 1), ...]``. For one question these are
+  vLLM's PrefixLM ranges (causal OR both ways inside one range): the state reads
+  itself both ways, the question reads the state and itself both ways, the
+  state never sees the question. A packed row means the same per question
+  (each reads the state and itself), which only the dense-piece backend runs.
+  No image ranges are added: they lie inside the state block and ranges must
+  not overlap.
 - ``prepare_attn`` hands those ranges to the attention (non-Mamba) groups' metadata
   builders. 0.33.0's hybrid ``prepare_attn`` passes no ranges at all, and has no
   parameter for them, so the groups it builds are wrapped (``_RangedAttentionGroup``)
   to set ``CommonAttentionMetadata.mm_req_doc_ranges`` before their builder runs.
-  Gated DeltaNet groups never read ranges and stay causal.
+  Gated DeltaNet groups never read ranges and stay causal; in a step with packed
+  rows their metadata also carries the two phases that restart every question
+  from the state (``model_executor/layers/mamba/gdn``).
 """
 
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 from vllm.v1.worker.gpu.input_batch import InputBatch
@@ -36,12 +51,43 @@ from vllm.v1.worker.gpu.model_states.interface import ModelSpecificAttnMetadata
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.utils import AttentionGroup
 
-from vllm_d3.model_executor.models.d3_contract import state_tokens_of
+from vllm_d3.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    PackedRow,
+    packed_gdn_metadata,
+    step_phases,
+)
+from vllm_d3.model_executor.models.d3_contract import (
+    question_ends_of,
+    state_tokens_of,
+)
 
 PrefixRanges = dict[int, list[tuple[int, int]]]
 #: How vLLM 0.33.0 names the dummy requests of its kernel warm-up
 #: (``v1/worker/gpu/warmup.py``: ``req_ids = [f"_warmup_{i}_" ...]``).
 WARMUP_REQUEST_PREFIX = "_warmup_"
+
+
+@dataclass(frozen=True)
+class StateBlock:
+    """A request's state block size and where its question blocks end."""
+
+    state_tokens: int
+    prompt_len: int
+    question_ends: tuple[int, ...]
+
+    @property
+    def packed(self) -> bool:
+        return len(self.question_ends) > 1
+
+    def question_blocks(self) -> list[tuple[int, int]]:
+        """Each question block as ``[start, end)`` (none: all state)."""
+        starts = (self.state_tokens, *self.question_ends)
+        return list(zip(starts, self.question_ends, strict=False))
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The state range, then one per question block, ends inclusive."""
+        blocks = [(0, self.state_tokens), *self.question_blocks()]
+        return [(start, end - 1) for start, end in blocks]
 
 
 class _RangedAttentionGroup:
@@ -64,8 +110,7 @@ class _RangedAttentionGroup:
 class D3PrefixBidirModelState(MambaHybridModelState):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: req_id -> (state block size s, prompt length n)
-        self.state_blocks: dict[str, tuple[int, int]] = {}
+        self.state_blocks: dict[str, StateBlock] = {}
 
     def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
         params = new_req_data.pooling_params
@@ -79,8 +124,39 @@ class D3PrefixBidirModelState(MambaHybridModelState):
             # The front end (vllm_d3.patches) already refused a request without
             # a valid size, so a failure here means a caller bypassed it.
             state_tokens = state_tokens_of(extra, prompt_len)
-        super().add_request(req_index, new_req_data)
-        self.state_blocks[new_req_data.req_id] = (state_tokens, prompt_len)
+        block = StateBlock(
+            state_tokens,
+            prompt_len,
+            tuple(question_ends_of(extra, prompt_len, state_tokens)),
+        )
+        if block.packed:
+            self._add_packed_request(req_index, new_req_data, block)
+        else:
+            super().add_request(req_index, new_req_data)
+        self.state_blocks[new_req_data.req_id] = block
+
+    def _add_packed_request(
+        self, req_index: int, new_req_data: NewRequestData, block: StateBlock
+    ) -> None:
+        rope = self.rope_state
+        token_ids = new_req_data.prefill_token_ids
+        # D3's backbone (Qwen3.5) always runs M-RoPE on Model Runner V2.
+        assert rope is not None and token_ids is not None
+        s = block.state_tokens
+        # The state's positions (and the request's M-RoPE delta) as 0.33.0
+        # computes them: the media lie inside the state.
+        super().add_request(
+            req_index, replace(new_req_data, prefill_token_ids=token_ids[:s])
+        )
+        # Every question continues after the state's last position, as in its
+        # own prompt: text positions advance by one on every axis.
+        after_state = s + int(rope.prefill_delta.np[req_index])
+        for start, end in block.question_blocks():
+            positions = list(range(after_state, after_state + end - start))
+            for axis in range(rope.num_dims):
+                rope.prefill_positions.stage_write(
+                    rope.num_dims * req_index + axis, start, positions
+                )
 
     def remove_request(self, req_id: str) -> None:
         super().remove_request(req_id)
@@ -90,13 +166,27 @@ class D3PrefixBidirModelState(MambaHybridModelState):
         ranges: PrefixRanges = {}
         for row, req_id in enumerate(req_ids):
             block = self.state_blocks.get(req_id)
-            if block is None:
-                # Only the runner's dummy rows (profiling, warm-up, graph capture)
-                # were never added: every real request passed add_request.
-                continue
-            state_tokens, prompt_len = block
-            ranges[row] = [(0, state_tokens - 1), (state_tokens, prompt_len - 1)]
+            # Only the runner's dummy rows (profiling, warm-up, graph capture)
+            # were never added: every real request passed add_request.
+            if block is not None:
+                ranges[row] = block.ranges()
         return ranges
+
+    def packed_rows(self, input_batch: InputBatch) -> list[PackedRow]:
+        rows = []
+        starts = input_batch.query_start_loc_np
+        for row, req_id in enumerate(input_batch.req_ids):
+            block = self.state_blocks.get(req_id)
+            if block is None or not block.packed:
+                continue
+            # Chunked prefill is off for prefix_bidir: a prompt runs whole.
+            assert starts[row + 1] - starts[row] == block.prompt_len
+            rows.append(
+                PackedRow(
+                    row, int(starts[row]), block.state_tokens, block.question_ends
+                )
+            )
+        return rows
 
     def prepare_attn(
         self,
@@ -121,7 +211,7 @@ class D3PrefixBidirModelState(MambaHybridModelState):
                 ]
                 for groups in attn_groups
             ]
-        return super().prepare_attn(
+        attn_metadata = super().prepare_attn(
             input_batch,
             cudagraph_mode,
             block_tables,
@@ -132,3 +222,44 @@ class D3PrefixBidirModelState(MambaHybridModelState):
             ubatch_idx=ubatch_idx,
             model_specific_attn_metadata=model_specific_attn_metadata,
         )
+        packed = [] if for_capture else self.packed_rows(input_batch)
+        if packed:
+            self._add_gdn_phases(
+                attn_metadata, input_batch, packed, block_tables, attn_groups
+            )
+        return attn_metadata
+
+    def _add_gdn_phases(
+        self,
+        attn_metadata: dict[str, Any],
+        input_batch: InputBatch,
+        packed: list[PackedRow],
+        block_tables: tuple[torch.Tensor, ...],
+        attn_groups: list[list[AttentionGroup]],
+    ) -> None:
+        """Give every Gated DeltaNet layer the step's two packed phases."""
+        num_reqs = input_batch.num_reqs
+        phases = step_phases(
+            input_batch.query_start_loc_np[: num_reqs + 1],
+            np.asarray(input_batch.seq_lens_cpu_upper_bound[:num_reqs]),
+            packed,
+            input_batch.query_start_loc.device,
+        )
+        for group_id, groups in enumerate(attn_groups):
+            for group in groups:
+                if not isinstance(group.kv_cache_spec, MambaSpec):
+                    continue
+                builder = group.get_metadata_builder(0)
+                if not isinstance(builder, GDNAttentionMetadataBuilder):
+                    raise NotImplementedError(
+                        "a packed D3 request needs Gated DeltaNet state layers, "
+                        f"not {type(builder).__name__}"
+                    )
+                metadata = packed_gdn_metadata(
+                    attn_metadata[group.layer_names[0]],
+                    builder,
+                    block_tables[group_id],
+                    phases,
+                )
+                for name in group.layer_names:
+                    attn_metadata[name] = metadata

@@ -1,0 +1,242 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Gated DeltaNet for packed D3 requests: every question restarts from the state
+(upstream: ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``).
+
+A packed request is ``state[0, s) || q1 || ... || qQ``: the state is read once and
+each question block must see the recurrent and convolution state the layer had
+after exactly ``s`` tokens, as in its own prompt ``state || qi``. One causal scan
+over the packed row would instead run question ``i`` on from question ``i - 1``.
+
+``packed_gdn_metadata`` builds, with the step's own GDN metadata builder, the two
+phases of a step that holds packed rows:
+
+- phase A: every token except the packed rows' question blocks (other requests
+  whole, each packed row's state), as 0.33.0 would scan them; each packed row's
+  slot then holds its state at ``s``;
+- phase B: each question block as its own sequence, with an initial state
+  (``seq_len = s + q_i``), reading state slot ``1 + i`` of a scratch copy (slot
+  0 is vLLM's null block, which the kernels skip).
+
+``restart_questions_from_state`` replaces a layer's ``_forward_core`` (the custom
+op ``qwen_gdn_attention_core`` looks the layer up and calls it) with one that,
+when the step's metadata is a ``PackedGDNAttentionMetadata``, runs 0.33.0's own
+``_forward_core`` twice: phase A on the cache, then phase B on scratch copies of
+the packed rows' slots (one per question), bound as the layer's ``kv_cache``
+for that call. Without packed rows it is the original method, unchanged. Phase
+B continues from an initial state the way chunked prefill does, which every GDN
+prefill backend implements; the config hook still selects the Triton/FLA
+backend, the one this path was validated on.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from types import MethodType
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    QwenGatedDeltaNetAttention,
+)
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.gdn_attn import (
+    GDNAttentionMetadata,
+    GDNAttentionMetadataBuilder,
+)
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """A packed row of the batch: where its tokens start, its state size and
+    where each of its question blocks ends (prompt offsets)."""
+
+    row: int
+    token_start: int
+    state_tokens: int
+    question_ends: tuple[int, ...]
+
+    def question_lens(self) -> list[int]:
+        ends = np.asarray(self.question_ends)
+        return np.diff(ends, prepend=self.state_tokens).tolist()
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """A step's two GDN phases; the metadata is per KV-cache group."""
+
+    state_tokens: torch.Tensor
+    """(num_a,) int64, the batch tokens phase A scans, in order."""
+    question_tokens: torch.Tensor
+    """(num_b,) int64, the question blocks' tokens, in order."""
+    question_rows: torch.Tensor
+    """(num_questions,) int64, the batch row each question restarts from."""
+    phase_a: CommonAttentionMetadata
+    phase_b: CommonAttentionMetadata
+
+
+@dataclass
+class PackedGDNAttentionMetadata(GDNAttentionMetadata):
+    """A step's GDN metadata (the fields, as built) plus its packed phases."""
+
+    phase_a: GDNAttentionMetadata | None = None
+    phase_b: GDNAttentionMetadata | None = None
+    question_slots: torch.Tensor | None = None
+    """(num_questions,) the state slot each question restarts from."""
+    state_tokens: torch.Tensor | None = None
+    question_tokens: torch.Tensor | None = None
+
+
+def _common(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: torch.Tensor,
+    device: torch.device,
+) -> CommonAttentionMetadata:
+    query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    query_start_loc_cpu = torch.from_numpy(query_start_loc)
+    seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc_cpu.to(device),
+        query_start_loc_cpu=query_start_loc_cpu,
+        seq_lens=seq_lens_cpu.to(device),
+        seq_lens_cpu_upper_bound=seq_lens_cpu,
+        max_seq_len=int(seq_lens.max()),
+        num_reqs=len(query_lens),
+        num_actual_tokens=int(query_start_loc[-1]),
+        max_query_len=int(query_lens.max()),
+        block_table_tensor=block_table,
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        is_prefilling=torch.ones(len(query_lens), dtype=torch.bool),
+    )
+
+
+def step_phases(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    packed: Sequence[PackedRow],
+    device: torch.device,
+) -> StepPhases:
+    """The phases of a step of ``len(seq_lens)`` fresh prefill rows, whose
+    packed rows are scheduled whole. Phase A's block table is the step's own
+    (set per group by ``packed_gdn_metadata``)."""
+    query_lens = np.diff(query_start_loc).astype(np.int64)
+    lens_a = query_lens.copy()
+    question_lens: list[int] = []
+    restart_from: list[int] = []
+    question_rows: list[int] = []
+    question_tokens: list[np.ndarray] = []
+    for p in packed:
+        lens_a[p.row] = p.state_tokens
+        lens = p.question_lens()
+        question_lens.extend(lens)
+        restart_from.extend([p.state_tokens] * len(lens))
+        question_rows.extend([p.row] * len(lens))
+        question_tokens.append(
+            np.arange(
+                p.token_start + p.state_tokens, p.token_start + p.question_ends[-1]
+            )
+        )
+    starts = query_start_loc[:-1]
+    state_tokens = np.concatenate(
+        [np.arange(start, start + n) for start, n in zip(starts, lens_a, strict=True)]
+    )
+    lens_b = np.asarray(question_lens, dtype=np.int64)
+    # Scratch slots 1..Q: slot 0 is the null block, which the kernels skip.
+    scratch_slots = torch.arange(1, len(lens_b) + 1, dtype=torch.int32, device=device)
+    return StepPhases(
+        state_tokens=torch.from_numpy(state_tokens).to(device),
+        question_tokens=torch.from_numpy(np.concatenate(question_tokens)).to(device),
+        question_rows=torch.as_tensor(question_rows, dtype=torch.int64, device=device),
+        phase_a=_common(
+            lens_a,
+            seq_lens - (query_lens - lens_a),
+            torch.empty(0, 1, dtype=torch.int32, device=device),
+            device,
+        ),
+        # Each question continues from a state that has seen s tokens.
+        phase_b=_common(
+            lens_b, np.asarray(restart_from) + lens_b, scratch_slots[:, None], device
+        ),
+    )
+
+
+def packed_gdn_metadata(
+    metadata: GDNAttentionMetadata,
+    builder: GDNAttentionMetadataBuilder,
+    block_table: torch.Tensor,
+    phases: StepPhases,
+) -> PackedGDNAttentionMetadata:
+    """``metadata`` (one KV-cache group's, for the whole step) with the phases
+    built by the group's own builder over its block table."""
+    num_reqs = phases.phase_a.num_reqs
+    phase_a = builder.build(
+        0, phases.phase_a.replace(block_table_tensor=block_table[:num_reqs])
+    )
+    phase_b = builder.build(0, phases.phase_b)
+    return PackedGDNAttentionMetadata(
+        **{f.name: getattr(metadata, f.name) for f in fields(GDNAttentionMetadata)},
+        phase_a=phase_a,
+        phase_b=phase_b,
+        question_slots=block_table[phases.question_rows, 0].long(),
+        state_tokens=phases.state_tokens,
+        question_tokens=phases.question_tokens,
+    )
+
+
+def _scratch(state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Copies of ``state[slots]`` at slots 1.. (slot 0, the null block, unused)."""
+    scratch = state.new_empty((len(slots) + 1, *state.shape[1:]))
+    scratch[1:] = state.index_select(0, slots)
+    return scratch
+
+
+def restart_questions_from_state(layer: QwenGatedDeltaNetAttention) -> None:
+    """Give ``layer`` the two-phase ``_forward_core`` for packed steps."""
+    original: Callable[..., Any] = layer._forward_core
+
+    def forward_core(
+        self: QwenGatedDeltaNetAttention,
+        mixed_qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        core_attn_out: torch.Tensor,
+    ) -> Any:
+        all_metadata = get_forward_context().attn_metadata
+        metadata = (
+            all_metadata.get(self.prefix) if isinstance(all_metadata, dict) else None
+        )
+        if not isinstance(metadata, PackedGDNAttentionMetadata):
+            return original(mixed_qkv, b, a, core_attn_out)
+        assert isinstance(all_metadata, dict)
+        assert metadata.question_slots is not None
+
+        def scan(
+            phase: GDNAttentionMetadata | None, tokens: torch.Tensor | None
+        ) -> None:
+            assert phase is not None and tokens is not None
+            all_metadata[self.prefix] = phase
+            out = core_attn_out.new_zeros((len(tokens), *core_attn_out.shape[1:]))
+            original(
+                mixed_qkv.index_select(0, tokens),
+                b.index_select(0, tokens),
+                a.index_select(0, tokens),
+                out,
+            )
+            core_attn_out.index_copy_(0, tokens, out)
+
+        cache = self.kv_cache
+        try:
+            scan(metadata.phase_a, metadata.state_tokens)
+            # Each question from its own copy of its row's state after s tokens.
+            self.kv_cache = tuple(
+                _scratch(state, metadata.question_slots) for state in cache
+            )
+            scan(metadata.phase_b, metadata.question_tokens)
+        finally:
+            self.kv_cache = cache
+            all_metadata[self.prefix] = metadata
+
+    layer._forward_core = MethodType(forward_core, layer)  # type: ignore[method-assign]
