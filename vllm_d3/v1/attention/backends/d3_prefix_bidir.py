@@ -398,7 +398,8 @@ class D3DenseFlashAttentionImpl(FlashAttentionImpl):
             for name, present in (
                 ("a quantized KV cache", is_quantized_kv_cache(self.kv_cache_dtype)),
                 ("attention sinks", self.sinks is not None),
-                ("a sliding window", self.sliding_window is not None),
+                # FlashAttentionImpl keeps (-1, -1) for "no window".
+                ("a sliding window", self.sliding_window not in (None, (-1, -1))),
                 ("ALiBi", self.alibi_slopes is not None),
                 ("a logit soft cap", bool(self.logits_soft_cap)),
                 ("decode context parallelism", self.dcp_world_size > 1),
