@@ -221,10 +221,48 @@ def test_hook_selects_dense_pieces_where_they_run(make_checkpoint, hopper, hook_
     assert "full-attention layers on D3_PREFIX_BIDIR" in "\n".join(hook_log)
 
 
+def test_state_once_where_dense_pieces_run(make_checkpoint, hopper, hook_log):
+    config = engine_config(make_checkpoint(weights=False))
+    assert config.additional_config == {
+        "d3_state_once": True,
+        "gdn_prefill_backend": "triton",
+    }
+    log = "\n".join(hook_log)
+    assert "reads each request's state once" in log
+    assert "Gated DeltaNet prefill on triton" in log
+
+
+@pytest.mark.parametrize(
+    ("additional", "expected"),
+    [
+        ({"d3_state_once": False}, False),
+        ({"gdn_prefill_backend": "flashinfer"}, True),
+    ],
+)
+def test_the_state_once_switch_and_a_chosen_gdn_kernel(
+    make_checkpoint, hopper, additional, expected
+):
+    config = engine_config(
+        make_checkpoint(weights=False), additional_config=dict(additional)
+    )
+    assert config.additional_config["d3_state_once"] is expected
+    chosen = additional.get("gdn_prefill_backend", "triton")
+    assert config.additional_config["gdn_prefill_backend"] == chosen
+
+
+def test_a_bad_state_once_switch_stops_start_up(make_checkpoint, hopper):
+    with pytest.raises(ValueError, match="d3_state_once must be true or false"):
+        engine_config(
+            make_checkpoint(weights=False), additional_config={"d3_state_once": 1}
+        )
+
+
 def test_hook_keeps_vllm_selection_without_a_hopper_gpu(make_checkpoint, hook_log):
     config = engine_config(make_checkpoint(weights=False))
     assert config.attention_config.backend_per_kind == {}
     assert "not D3_PREFIX_BIDIR: not a CUDA GPU" in "\n".join(hook_log)
+    # No dense pieces, no packed questions: one engine request per question.
+    assert config.additional_config["d3_state_once"] is False
 
 
 def test_a_chosen_backend_wins(make_checkpoint, hopper, hook_log):
@@ -240,3 +278,52 @@ def test_a_chosen_backend_wins(make_checkpoint, hopper, hook_log):
 def test_other_modes_keep_vllm_selection(make_checkpoint, hopper, mode):
     config = engine_config(make_checkpoint(attention_mode=mode, weights=False))
     assert config.attention_config.backend_per_kind == {}
+
+
+def packed_allowed(s: int, ends: list[int]) -> torch.Tensor:
+    """The state read once: a state query sees the state; a query of question
+    block [a, b) sees the state and [a, b)."""
+    n = ends[-1]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[:, :s] = True
+    for a, b in zip([s, *ends[:-1]], ends, strict=True):
+        mask[a:b, a:b] = True
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_packed_rows_give_exactly_the_state_once_mask(seed):
+    rng = random.Random(seed)
+    rows, ranges, packed = [], {}, {}
+    for row in range(rng.randint(1, 5)):
+        s = rng.randint(1, 40)
+        ends = [s]
+        for _ in range(rng.choice([1, 2, 3, 6])):
+            ends.append(ends[-1] + rng.randint(1, 20))
+        ends = ends[1:]
+        rows.append((s, ends[-1], 0))
+        ranges[row] = [(0, s - 1)] + [
+            (a, b - 1) for a, b in zip([s, *ends[:-1]], ends, strict=True)
+        ]
+        packed[row] = ends
+    metadata = batch(rows, ranges)
+    pieces = dense_pieces(metadata)
+    assert pieces is not None
+    masks = mask_from_metadata(dense_piece_metadata(metadata, pieces), rows)
+    # Each own-key piece adds its block's keys to its block's queries.
+    row_starts = np.cumsum([0] + [n for _, n, _ in rows])
+    for first, end in pieces.questions.tolist():
+        row = int(np.searchsorted(row_starts, first, side="right")) - 1
+        a, b = first - row_starts[row], end - row_starts[row]
+        masks[row][a:b, a:b] = True
+    for row, (s, _, _) in enumerate(rows):
+        assert torch.equal(masks[row], packed_allowed(s, packed[row]))
+    # Only rows with two or more questions have own-key pieces.
+    assert len(pieces.questions) == sum(len(e) for e in packed.values() if len(e) > 1)
+
+
+def test_a_packed_row_split_across_steps_is_refused():
+    metadata = batch([(4, 12, 0)], {0: [(0, 3), (4, 7), (8, 11)]}, query_lens=[6])
+    assert dense_pieces(metadata) is None
+    with pytest.raises(d3_prefix_bidir.PackedRowError):
+        DensePieceRouting([], VllmConfig()).select(metadata)

@@ -136,6 +136,26 @@ def test_bad_state_tokens_are_client_errors(prefix_bidir_front_end, extra, messa
     assert "d3_state_tokens" in str(excinfo.value)
 
 
+def test_packed_requests_need_state_once(prefix_bidir_front_end):
+    # On the CPU the config hook turned state once off: ranged attention would
+    # let each packed question see the ones before it.
+    processor, _ = prefix_bidir_front_end
+    assert processor.vllm_config.additional_config["d3_state_once"] is False
+    packed = {"d3_state_tokens": 5, "d3_question_ends": [8, 12]}
+    with pytest.raises(VLLMClientError, match="one question per request"):
+        classify(processor, 12, packed)
+    # One question block is what every request is anyway.
+    one = {"d3_state_tokens": 5, "d3_question_ends": [12]}
+    assert classify(processor, 12, one).pooling_params.extra_kwargs == one
+
+
+@pytest.mark.parametrize("ends", [[8, 11], [5, 12], [13], "12"])
+def test_bad_question_ends_are_client_errors(prefix_bidir_front_end, ends):
+    processor, _ = prefix_bidir_front_end
+    with pytest.raises(VLLMClientError, match="d3_question_ends"):
+        classify(processor, 12, {"d3_state_tokens": 5, "d3_question_ends": ends})
+
+
 def test_other_modes_need_no_state_tokens(make_checkpoint):
     config = EngineArgs(
         model=make_checkpoint(attention_mode="causal", weights=False),

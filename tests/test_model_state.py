@@ -9,6 +9,7 @@ sequences (cu_seqlens, seqused_k, block-table rows) are what FlashAttention read
 
 import inspect
 import socket
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.engine.arg_utils import EngineArgs
+from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.models import d3 as upstream_d3
@@ -34,13 +36,18 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     MambaSpec,
 )
+from vllm.v1.pool.metadata import PoolingMetadata, PoolingStates
 from vllm.v1.worker.gpu import warmup as gpu_warmup
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+from vllm.v1.worker.gpu.mm.rope import RopeState
 from vllm.v1.worker.gpu.model_states import default as default_model_state
 from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.utils import AttentionGroup
 
+from vllm_d3.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    restart_questions_from_state,
+)
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3PrefixBidirAttentionBackend,
 )
@@ -113,6 +120,7 @@ def new_request(req_id: str, prompt_len: int, extra) -> NewRequestData:
     return NewRequestData(
         req_id=req_id,
         prompt_token_ids=list(range(prompt_len)),
+        prefill_token_ids=list(range(prompt_len)),
         mm_features=[],
         sampling_params=None,
         pooling_params=PoolingParams(task="classify", extra_kwargs=extra),
@@ -122,11 +130,41 @@ def new_request(req_id: str, prompt_len: int, extra) -> NewRequestData:
     )
 
 
+class StagedPositions:
+    """Stands in for ``RopeState``'s pinned-memory buffer (which needs a GPU
+    driver): keeps what is staged, position by position."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[int, int]] = {}
+
+    def stage_write(self, index: int, start: int, values) -> None:
+        row = self.rows.setdefault(index, {})
+        for offset, value in enumerate(values):
+            row[start + offset] = value
+
+
+class CpuRopeState(RopeState):
+    """vLLM's ``RopeState`` (its real ``init_prefill_positions``, which calls the
+    model's own M-RoPE) over ``StagedPositions``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.num_dims = 3
+        self.prefill_positions = StagedPositions()
+        self.prefill_delta = SimpleNamespace(np=np.zeros(8, dtype=np.int32))
+
+    def staged(self, req_index: int, length: int) -> torch.Tensor:
+        rows = self.prefill_positions.rows
+        return torch.tensor(
+            [
+                [rows[3 * req_index + axis][t] for t in range(length)]
+                for axis in range(3)
+            ]
+        )
+
+
 @pytest.fixture
 def state(make_checkpoint, monkeypatch):
-    # The M-RoPE position buffers need pinned host memory, i.e. a GPU driver;
-    # positions play no part in the ranges, so this CPU state goes without them.
-    monkeypatch.setattr(default_model_state, "get_rope_state", lambda *a, **k: None)
+    monkeypatch.setattr(default_model_state, "get_rope_state", CpuRopeState)
     config = vllm_config_for(make_checkpoint(weights=False))
     model_cls, _ = ModelRegistry.resolve_model_cls(
         config.model_config.architectures, config.model_config
@@ -273,12 +311,10 @@ def test_ranges_become_dense_pieces_for_flash_attention(state):
         assert torch.equal(masks[req_id], prefix_bidir_mask(s, n))
 
 
-@pytest.mark.parametrize("for_capture", [False, True])
-def test_hybrid_cache_dense_attention_beside_a_causal_gdn(state, for_capture):
-    """A real hybrid KV-cache config: the model's full-attention layers in one
-    group (the D3 composite), its Gated DeltaNet layers in another (vLLM's GDN
-    backend, the spec its layers declare)."""
-    model_state, config = state
+def hybrid_groups(config):
+    """The model's full-attention layers in one KV-cache group (the D3
+    composite), its Gated DeltaNet layers in another (vLLM's GDN backend, the
+    spec its layers declare)."""
     layers = config.compilation_config.static_forward_context
     attention = [n for n, m in layers.items() if isinstance(m, Attention)]
     gdn = [n for n, m in layers.items() if isinstance(m, MambaBase)]
@@ -312,26 +348,43 @@ def test_hybrid_cache_dense_attention_beside_a_causal_gdn(state, for_capture):
             KVCacheGroupSpec(gdn, gdn_spec),
         ],
     )
-    requests = {"a": (10, 4), "b": (7, 7)}
-    for index, (req_id, (n, s)) in enumerate(requests.items()):
-        model_state.add_request(index, new_request(req_id, n, {"d3_state_tokens": s}))
-    order = ["b", "a"]
-    batch = prefill_batch(order, [requests[r][0] for r in order])
+    return attention, gdn, groups, kv_cache_config
+
+
+def hybrid_metadata(state, order, prompt_lens, slots, for_capture=False):
+    """prepare_attn over one prefill batch on the hybrid groups; row r's GDN
+    state slot is ``slots[r]``."""
+    model_state, config = state
+    attention, gdn, groups, kv_cache_config = hybrid_groups(config)
+    batch = prefill_batch(order, prompt_lens)
     batch.is_prefilling_np[:] = True
     with set_current_vllm_config(config):
         metadata = model_state.prepare_attn(
             batch,
             CUDAGraphMode.NONE,
             (
-                torch.arange(32, dtype=torch.int32).reshape(2, 16),
-                torch.tensor([[3], [5]], dtype=torch.int32),
+                torch.arange(16 * len(order), dtype=torch.int32).reshape(-1, 16),
+                torch.tensor([[slot] for slot in slots], dtype=torch.int32),
             ),
             torch.zeros(2, batch.num_tokens, dtype=torch.int64),
             [[groups[0]], [groups[1]]],
             kv_cache_config,
             for_capture=for_capture,
         )
-    full = metadata[attention[0]]
+    return metadata[attention[0]], metadata[gdn[0]], gdn
+
+
+@pytest.mark.parametrize("for_capture", [False, True])
+def test_hybrid_cache_dense_attention_beside_a_causal_gdn(state, for_capture):
+    """A real hybrid KV-cache config: the D3 composite beside vLLM's GDN."""
+    model_state, _ = state
+    requests = {"a": (10, 4), "b": (7, 7)}
+    for index, (req_id, (n, s)) in enumerate(requests.items()):
+        model_state.add_request(index, new_request(req_id, n, {"d3_state_tokens": s}))
+    order = ["b", "a"]
+    full, scan, _ = hybrid_metadata(
+        state, order, [requests[r][0] for r in order], [3, 5], for_capture
+    )
     if for_capture:
         # Graph capture gets no ranges: plain causal attention over the rows.
         assert full.causal is True
@@ -344,7 +397,6 @@ def test_hybrid_cache_dense_attention_beside_a_causal_gdn(state, for_capture):
         assert [row[0] for row in full.block_table.tolist()] == [0, 16, 16]
     # The Gated DeltaNet scans each request's own tokens, causally, from its
     # own state slot: the ranges never reach it.
-    scan = metadata[gdn[0]]
     assert scan.num_prefills == 2 and scan.num_decodes == 0
     assert scan.non_spec_query_start_loc.tolist() == [0, 7, 17]
     assert scan.non_spec_state_indices_tensor.tolist() == [3, 5]
@@ -395,3 +447,144 @@ def test_bad_state_tokens_never_run_as_one_block(state, extra):
     with pytest.raises(ValueError, match="d3_state_tokens"):
         model_state.add_request(0, new_request("bad", 10, extra))
     assert "bad" not in model_state.state_blocks
+
+
+# A packed request: the state [0, 5), then question blocks [5, 9), [9, 12),
+# [12, 20); and a plain one (n = 10, s = 4).
+PACKED = {"d3_state_tokens": 5, "d3_question_ends": [9, 12, 20]}
+
+
+def test_packed_questions_get_their_own_prompts_positions(state):
+    model_state, _ = state
+    model_state.add_request(2, new_request("p", 20, PACKED))
+    staged = model_state.rope_state.staged(2, 20)
+    ids = list(range(20))
+    for start, end in [(5, 9), (9, 12), (12, 20)]:
+        # The model's own M-RoPE over the question's own prompt, state || q.
+        own, _ = model_state.model.get_mrope_input_positions(
+            ids[:5] + ids[start:end], []
+        )
+        assert torch.equal(staged[:, :5], own[:, :5])
+        assert torch.equal(staged[:, start:end], own[:, 5:])
+
+
+def test_a_packed_row_becomes_state_once_pieces_and_gdn_phases(state):
+    model_state, _ = state
+    model_state.add_request(0, new_request("p", 20, PACKED))
+    model_state.add_request(1, new_request("a", 10, {"d3_state_tokens": 4}))
+    full, scan, _ = hybrid_metadata(state, ["a", "p"], [10, 20], [3, 5])
+    # Attention: a's two pieces; p's state, its questions over the state, and
+    # each question block over its own keys (batch tokens 15-19, 19-22, 22-30).
+    assert full.query_start_loc.tolist() == [0, 4, 10, 15, 30]
+    assert full.seq_lens.tolist() == [4, 10, 5, 5]
+    assert full.questions.token_index.tolist() == list(range(15, 30))
+    assert full.questions.cu_seqlens.tolist() == [0, 4, 7, 15]
+    # Gated DeltaNet, phase A: every token but p's questions, from the slots.
+    assert scan.state_tokens.tolist() == list(range(15))
+    assert scan.phase_a.non_spec_query_start_loc.tolist() == [0, 10, 15]
+    assert scan.phase_a.non_spec_state_indices_tensor.tolist() == [3, 5]
+    assert scan.phase_a.has_initial_state.tolist() == [False, False]
+    # Phase B: each question from a copy of p's slot (scratch slots 1, 2, 3).
+    assert scan.question_tokens.tolist() == list(range(15, 30))
+    assert scan.question_slots.tolist() == [5, 5, 5]
+    assert scan.phase_b.non_spec_query_start_loc.tolist() == [0, 4, 7, 15]
+    assert scan.phase_b.non_spec_state_indices_tensor.tolist() == [1, 2, 3]
+    assert scan.phase_b.has_initial_state.tolist() == [True, True, True]
+
+
+class ScanLayer:
+    """A Gated DeltaNet stand-in whose ``_forward_core`` reads the step's GDN
+    metadata and state the way 0.33.0's does, with a scalar recurrence
+    ``h = h / 2 + x`` per sequence (from the slot's state when it has one)."""
+
+    def __init__(self, prefix: str, slots: int) -> None:
+        self.prefix = prefix
+        self.kv_cache = (torch.zeros(slots, 3, 1), torch.zeros(slots, 1))
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out) -> None:
+        metadata = get_forward_context().attn_metadata[self.prefix]
+        starts = metadata.non_spec_query_start_loc.tolist()
+        slots = metadata.non_spec_state_indices_tensor.tolist()
+        restart = metadata.has_initial_state.tolist()
+        ssm = self.kv_cache[1]
+        for row, slot in enumerate(slots):
+            h = ssm[slot].clone() if restart[row] else torch.zeros(1)
+            for token in range(starts[row], starts[row + 1]):
+                h = h / 2 + mixed_qkv[token]
+                core_attn_out[token] = h
+            ssm[slot] = h
+
+
+def scan_alone(x: torch.Tensor) -> torch.Tensor:
+    h, out = torch.zeros(1), []
+    for value in x:
+        h = h / 2 + value
+        out.append(h)
+    return torch.stack(out)
+
+
+def test_every_packed_question_restarts_from_the_state(state):
+    model_state, config = state
+    model_state.add_request(0, new_request("p", 20, PACKED))
+    model_state.add_request(1, new_request("a", 10, {"d3_state_tokens": 4}))
+    _, scan, gdn = hybrid_metadata(state, ["a", "p"], [10, 20], [3, 5])
+    layer = ScanLayer(gdn[0], slots=8)
+    restart_questions_from_state(layer)
+    x = torch.randn(30, 1)
+    out = torch.zeros(30, 1)
+    cache = layer.kv_cache
+    with set_forward_context({gdn[0]: scan}, config):
+        layer._forward_core(x, x, x, out)
+        # The layer's cache and the step's metadata are back as they were.
+        assert get_forward_context().attn_metadata[gdn[0]] is scan
+    assert layer.kv_cache is cache
+    assert torch.allclose(out[:10], scan_alone(x[:10]))
+    state_x = x[10:15]
+    assert torch.allclose(out[10:15], scan_alone(state_x))
+    for start, end in [(15, 19), (19, 22), (22, 30)]:
+        alone = scan_alone(torch.cat([state_x, x[start:end]]))
+        assert torch.allclose(out[start:end], alone[5:])
+
+
+def test_without_packed_rows_the_core_is_the_original(state):
+    model_state, config = state
+    model_state.add_request(0, new_request("a", 10, {"d3_state_tokens": 4}))
+    _, scan, gdn = hybrid_metadata(state, ["a"], [10], [3])
+    layer = ScanLayer(gdn[0], slots=8)
+    restart_questions_from_state(layer)
+    x = torch.randn(10, 1)
+    out = torch.zeros(10, 1)
+    with set_forward_context({gdn[0]: scan}, config):
+        layer._forward_core(x, x, x, out)
+    assert torch.allclose(out, scan_alone(x))
+
+
+def test_a_packed_request_is_read_out_once_per_question(state):
+    model_state, config = state
+    model = model_state.model
+    # What loading does to the readout layer before it can run on the CPU.
+    model.score.quant_method.process_weights_after_loading(model.score)
+    pooler = model.pooler.poolers_by_task["classify"]
+    plain = PoolingParams(task="classify", extra_kwargs={"d3_state_tokens": 4})
+    packed = PoolingParams(task="classify", extra_kwargs=PACKED)
+    for params in (plain, packed):
+        params.use_activation = False  # what D3's pooler config makes of it
+    metadata = PoolingMetadata(
+        prompt_lens=torch.tensor([10, 20]),
+        prompt_token_ids=None,
+        prompt_token_ids_cpu=None,
+        pooling_params=[plain, packed],
+        pooling_states=[PoolingStates(), PoolingStates()],
+    )
+    metadata.build_pooling_cursor(np.array([10, 20]), torch.tensor([10, 20]), CPU)
+    hidden = torch.randn(30, config.model_config.get_hidden_size())
+    with set_current_vllm_config(config):
+        out = pooler(hidden, metadata)
+    # The readout at the plain prompt's last token (row 9) and at the last
+    # token of each of the packed row's question blocks (rows 10 + 8, 11, 19).
+    head_dtype = config.model_config.head_dtype
+    rows = hidden[[9, 18, 21, 29]].to(head_dtype)
+    readout = (rows @ model.score.weight.to(head_dtype).T).float()
+    assert len(out) == 2
+    assert torch.allclose(out[0].float(), readout[0])
+    assert torch.allclose(out[1].float(), readout[1:].reshape(-1))

@@ -256,3 +256,96 @@ def test_other_modes_read_as_before(make_checkpoint, mode):
     temperature = strategy.temperature
     weights = [math.exp(v / temperature) for v in engine.logits.tolist()[:3]]
     assert reads[1].probs == pytest.approx([w / sum(weights) for w in weights])
+
+
+def test_per_question_reads_send_upstreams_engine_inputs(make_checkpoint):
+    # 0.33.0's own D3Strategy over the same engine: the plugin's per-question
+    # reads must send the same inputs and params, apart from extra_kwargs.
+    from vllm.entrypoints.openai.decisions.strategies import (
+        D3Strategy as UpstreamD3Strategy,
+    )
+
+    strategy, engine = make_strategy(make_checkpoint(weights=False))
+    read(strategy, "the same state")
+    upstream_strategy = UpstreamD3Strategy(strategy.context)
+    upstream_strategy.context = ReadContext(
+        **{**vars(strategy.context), "engine_client": engine}
+    )
+    plugin_reads = list(engine.reads)
+    engine.reads.clear()
+    read(upstream_strategy, "the same state")
+    assert len(plugin_reads) == len(engine.reads) == len(QUESTIONS)
+    for (ours, our_params), (theirs, their_params) in zip(
+        plugin_reads, engine.reads, strict=True
+    ):
+        assert ours == theirs
+        assert our_params.task == their_params.task
+        assert our_params.use_activation == their_params.use_activation
+        assert set(our_params.extra_kwargs) == {"d3_state_tokens"}
+        assert their_params.extra_kwargs is None
+
+
+def test_state_once_packs_the_questions(make_checkpoint):
+    path = make_checkpoint(weights=False)
+    strategy, engine = make_strategy(path, state_once=True)
+    answers = read(strategy, "one state")
+    per_question, separate = make_strategy(path)
+    read(per_question, "one state")
+    # One engine request: the state once, then every question block.
+    assert len(engine.reads) == 1
+    packed_input, params = engine.reads[0]
+    packed = packed_input["prompt_token_ids"]
+    s = params.extra_kwargs["d3_state_tokens"]
+    ends = params.extra_kwargs["d3_question_ends"]
+    prompts = [engine_input["prompt_token_ids"] for engine_input, _ in separate.reads]
+    assert s == separate.reads[0][1].extra_kwargs["d3_state_tokens"]
+    assert packed[:s] == prompts[0][:s]
+    starts = [s, *ends[:-1]]
+    for prompt, start, end in zip(prompts, starts, ends, strict=True):
+        assert packed[start:end] == prompt[s:]
+    assert ends[-1] == len(packed)
+    # The k-th question's answer comes from the k-th row of logits.
+    for k, (answer, (_, kind, _, criteria)) in enumerate(
+        zip(answers, QUESTIONS, strict=True)
+    ):
+        options = 2 if kind == "noul" else len(criteria)
+        logits = engine.logits.tolist()[:options]
+        weights = [math.exp(v * (k + 1) / strategy.temperature) for v in logits]
+        expected = [w / sum(weights) for w in weights]
+        if kind == "noul":
+            expected = expected[::-1]  # the model reads false, then true
+        assert answer.probs == pytest.approx(expected)
+    # Usage counts the state once.
+    assert sum(a.input_tokens for a in answers) == len(packed)
+
+
+def test_a_pack_too_long_for_the_engine_is_split(make_checkpoint, caplog):
+    path = make_checkpoint(weights=False, validated_length=None)
+    strategy, engine = make_strategy(path, state_once=True, max_model_len=4096)
+    strategy.max_pack_tokens = 100  # the state and one question here
+    answers = read(strategy, "a state")
+    lengths = [len(inputs["prompt_token_ids"]) for inputs, _ in engine.reads]
+    assert len(engine.reads) > 1
+    assert all(length <= 100 for length in lengths)
+    ends = [p.extra_kwargs.get("d3_question_ends", [0]) for _, p in engine.reads]
+    assert sum(len(e) for e in ends) == len(QUESTIONS)
+    # Each pack reads the state again, and usage says so.
+    assert sum(a.input_tokens for a in answers) == sum(lengths)
+
+
+@pytest.mark.parametrize(
+    "ends", [[], [5], [9, 8, 12], [9, 12, 13], [True, 12], "12", [9.0, 12]]
+)
+def test_bad_question_ends_are_refused(ends):
+    from vllm_d3.model_executor.models.d3_contract import question_ends_of
+
+    with pytest.raises(ValueError, match="d3_question_ends"):
+        question_ends_of({"d3_question_ends": ends}, 12, 5)
+
+
+def test_question_ends_default_to_one_question():
+    from vllm_d3.model_executor.models.d3_contract import question_ends_of
+
+    assert question_ends_of(None, 12, 5) == [12]
+    assert question_ends_of({"d3_state_tokens": 12}, 12, 12) == []
+    assert question_ends_of({"d3_question_ends": [7, 12]}, 12, 5) == [7, 12]

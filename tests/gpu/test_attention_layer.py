@@ -76,11 +76,12 @@ def test_dense_pieces_match_ranged_triton_and_the_reference(layer, name):
 
 def test_packed_questions_do_not_see_each_other(layer):
     # The same packed prompt read as one question (every query after the state
-    # sees all keys) is far from the packed reference.
-    packed = [Prompt(1700, 2150, question_ends=(1850, 1900, 2150))]
+    # sees all keys) is far from the packed reference: the second question
+    # would read the first, which is longer than the state.
+    packed = [Prompt(200, 2150, question_ends=(1000, 2150))]
     query = layer.random_query(packed)
     expected = layer.reference(packed, query)
-    one_question = [Prompt(1700, 2150)]
+    one_question = [Prompt(200, 2150)]
     wrong = layer.forward(
         query,
         layer.metadata(one_question, "dense"),
