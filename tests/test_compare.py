@@ -3,7 +3,12 @@
 import pytest
 
 from vllm_d3.testing.compare import compare, decision, flatten, probabilities
-from vllm_d3.testing.validation import report
+from vllm_d3.testing.validation import (
+    HTTP_TABLE,
+    STATE_ONCE_TABLE,
+    report,
+    verdict_of,
+)
 
 
 def choice(*probs):
@@ -79,3 +84,19 @@ def test_report_verdicts_and_missing_tables():
     assert "## Failures" not in text
     results["failures"] = {"causal checkpoint, in process": "exited with 1"}
     assert "- causal checkpoint, in process: exited with 1" in report(results, "cmd")
+
+
+def test_the_two_read_paths_are_held_to_kernel_rounding():
+    # 0.01 apart passes against the reference, not between the plugin's own
+    # state-once and per-question answers.
+    stats = compare([choice(0.6, 0.4)], [choice(0.59, 0.41)])
+    results = {
+        "versions": {},
+        "tables": {HTTP_TABLE: {"text": stats}, STATE_ONCE_TABLE: {"text": stats}},
+    }
+    _, meets_reference = verdict_of(HTTP_TABLE)
+    _, meets_per_question = verdict_of(STATE_ONCE_TABLE)
+    assert meets_reference(stats) and not meets_per_question(stats)
+    text = report(results, "cmd")
+    assert text.count("| text | 1 | 0 (0) | 0.0100 | 0.0100 | 0.0100 |") == 2
+    assert "0.0100 | yes |" in text and "0.0100 | NO |" in text

@@ -523,27 +523,57 @@ def scan_alone(x: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def test_every_packed_question_restarts_from_the_state(state):
+#: Two packed requests of different states and question counts beside a plain
+#: one, in one step: (request, prompt length, extra, state slot).
+STEP = [
+    ("a", 10, {"d3_state_tokens": 4}, 3),
+    ("p", 20, PACKED, 5),
+    ("r", 14, {"d3_state_tokens": 6, "d3_question_ends": [10, 14]}, 7),
+]
+
+
+def scan_step(state, restart: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and outputs of one GDN-like layer over ``STEP``."""
     model_state, config = state
-    model_state.add_request(0, new_request("p", 20, PACKED))
-    model_state.add_request(1, new_request("a", 10, {"d3_state_tokens": 4}))
-    _, scan, gdn = hybrid_metadata(state, ["a", "p"], [10, 20], [3, 5])
+    for index, (req_id, n, extra, _) in enumerate(STEP):
+        model_state.add_request(index, new_request(req_id, n, extra))
+    order = [req_id for req_id, *_ in STEP]
+    lens = [n for _, n, _, _ in STEP]
+    _, scan, gdn = hybrid_metadata(state, order, lens, [s for *_, s in STEP])
     layer = ScanLayer(gdn[0], slots=8)
-    restart_questions_from_state(layer)
-    x = torch.randn(30, 1)
-    out = torch.zeros(30, 1)
+    if restart:
+        restart_questions_from_state(layer)
+    x = torch.randn(sum(lens), 1, generator=torch.Generator().manual_seed(0))
+    out = torch.zeros_like(x)
     cache = layer.kv_cache
     with set_forward_context({gdn[0]: scan}, config):
         layer._forward_core(x, x, x, out)
-        # The layer's cache and the step's metadata are back as they were.
+        # The step's metadata and the layer's cache are back as they were.
         assert get_forward_context().attn_metadata[gdn[0]] is scan
     assert layer.kv_cache is cache
+    return x, out
+
+
+def test_every_packed_question_restarts_from_its_own_state(state):
+    x, out = scan_step(state, restart=True)
+    # a (tokens 0-9) as it is; p (10-29): state 5, questions 4, 3, 8; r
+    # (30-43): state 6, questions 4, 4. Each question as if alone after its
+    # own request's state.
     assert torch.allclose(out[:10], scan_alone(x[:10]))
-    state_x = x[10:15]
-    assert torch.allclose(out[10:15], scan_alone(state_x))
-    for start, end in [(15, 19), (19, 22), (22, 30)]:
-        alone = scan_alone(torch.cat([state_x, x[start:end]]))
-        assert torch.allclose(out[start:end], alone[5:])
+    for first, s, ends in [(10, 5, [9, 12, 20]), (30, 6, [10, 14])]:
+        state_x = x[first : first + s]
+        assert torch.allclose(out[first : first + s], scan_alone(state_x))
+        for start, end in zip([s, *ends[:-1]], ends, strict=True):
+            question = x[first + start : first + end]
+            alone = scan_alone(torch.cat([state_x, question]))
+            assert torch.allclose(out[first + start : first + end], alone[s:])
+
+
+def test_one_scan_over_a_packed_row_is_wrong(state):
+    # Without the restart, p's second question runs on from its first.
+    x, out = scan_step(state, restart=False)
+    alone = scan_alone(torch.cat([x[10:15], x[19:22]]))
+    assert not torch.allclose(out[19:22], alone[5:])
 
 
 def test_without_packed_rows_the_core_is_the_original(state):
@@ -562,7 +592,11 @@ def test_without_packed_rows_the_core_is_the_original(state):
 def test_a_packed_request_is_read_out_once_per_question(state):
     model_state, config = state
     model = model_state.model
-    # What loading does to the readout layer before it can run on the CPU.
+    # A random readout (the model was built without weights), then what loading
+    # does to the layer before it can run on the CPU.
+    generator = torch.Generator().manual_seed(0)
+    weight = model.score.weight.data
+    weight.copy_(torch.randn(weight.shape, generator=generator))
     model.score.quant_method.process_weights_after_loading(model.score)
     pooler = model.pooler.poolers_by_task["classify"]
     plain = PoolingParams(task="classify", extra_kwargs={"d3_state_tokens": 4})

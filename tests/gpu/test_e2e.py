@@ -22,8 +22,10 @@ from vllm_d3.testing.validation import (
     INPROCESS_TABLE,
     LONG_MAX_MODEL_LEN,
     SERVED_TABLES,
+    STATE_ONCE_TABLE,
     VALIDATED_LENGTH,
     run,
+    verdict_of,
 )
 
 pytestmark = pytest.mark.gpu
@@ -48,6 +50,15 @@ def test_answers_match_the_reference(results, table):
         for name, stats in results["tables"][table].items()
         if not passes(stats)
     }
+    assert not failing
+
+
+def test_state_once_answers_as_one_request_per_question(results):
+    # The same engine and weights, the state read once or once per question:
+    # kernel rounding only, on every set.
+    _, meets = verdict_of(STATE_ONCE_TABLE)
+    table = results["tables"][STATE_ONCE_TABLE]
+    failing = {name: stats for name, stats in table.items() if not meets(stats)}
     assert not failing
 
 

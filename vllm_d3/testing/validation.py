@@ -15,7 +15,11 @@ long states):
   one block covering the whole prompt (negative control);
 - over HTTP: ``vllm serve`` on loopback, ``POST /v1/systemone`` for every set,
   the /classify list form (two inputs, one size each), bad inputs that must be
-  4xx, and a valid request after them;
+  4xx, and a valid request after them; and the same on a second server that
+  reads one question per request (``--additional-config
+  '{"d3_state_once": false}'``), whose answers the default server's must meet
+  within ``STATE_ONCE_TOLERANCE`` (the same engine, the state read once or once
+  per question);
 - ``--enable-prefix-caching`` on the prefix_bidir checkpoint (must be refused);
 - the causal and noncausal checkpoints in process against their own mode.
 
@@ -33,16 +37,21 @@ ones (the long states rely on them); ``results.json`` keeps every answer.
 """
 
 import argparse
+import functools
 import json
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from vllm_d3.model_executor.models.d3_contract import STATE_ONCE_KEY
 from vllm_d3.testing.compare import (
     CONTROL_MARGIN,
+    STATE_ONCE_TOLERANCE,
     TIE,
     TOLERANCE,
     clearly_wrong,
@@ -370,7 +379,12 @@ def bad_inputs(
 
 
 def run_http(
-    checkpoint: str, sets: dict, work: Path, long: bool, engine_args: dict[str, Any]
+    checkpoint: str,
+    sets: dict,
+    work: Path,
+    long: bool,
+    engine_args: dict[str, Any],
+    log_name: str = "serve.log",
 ) -> dict:
     flags = ["--max-model-len", str(LONG_MAX_MODEL_LEN)] if long else []
     engine_flags = [
@@ -378,9 +392,7 @@ def run_http(
         for key, value in engine_args.items()
         for part in (f"--{key.replace('_', '-')}", str(value))
     ]
-    with Server(
-        checkpoint, *flags, *engine_flags, log_file=work / "serve.log"
-    ) as server:
+    with Server(checkpoint, *flags, *engine_flags, log_file=work / log_name) as server:
         up = server.wait()
         log(f"server up in {up:.0f}s")
         answers: dict[str, list[dict]] = {}
@@ -448,8 +460,18 @@ def prefix_caching_refused(checkpoint: str, work: Path) -> dict:
 # --------------------------------------------------------------------- report
 
 
-def _table(rows: list[tuple[str, dict]], control: bool) -> list[str]:
-    verdict, check = ("clearly wrong", clearly_wrong) if control else ("meets", passes)
+def verdict_of(table: str) -> tuple[str, Callable[[dict], bool]]:
+    """What a table's rows must show: a control clearly wrong; the two read
+    paths within ``STATE_ONCE_TOLERANCE``; everything else ``passes``."""
+    if table.startswith("control"):
+        return "clearly wrong", clearly_wrong
+    if table == STATE_ONCE_TABLE:
+        return "meets", functools.partial(passes, tolerance=STATE_ONCE_TOLERANCE)
+    return "meets", passes
+
+
+def _table(rows: list[tuple[str, dict]], table: str) -> list[str]:
+    verdict, check = verdict_of(table)
     lines = [
         "| set | questions | decisions changed (near ties) | median abs dp | p90 "
         f"| max | {verdict} |",
@@ -484,6 +506,10 @@ def versions() -> dict[str, str]:
 # negative controls that must not (``clearly_wrong``), and the reference's own
 # GPU-vs-CPU check.
 HTTP_TABLE = "prefix_bidir, HTTP /v1/systemone"
+#: Served answers, state read once, against the same engine's answers with one
+#: request per question (``--additional-config '{"d3_state_once": false}'``).
+STATE_ONCE_TABLE = "state once vs one request per question, HTTP"
+PER_QUESTION_ARGS = {"additional_config": json.dumps({STATE_ONCE_KEY: False})}
 INPROCESS_TABLE = "prefix_bidir, in process (LLM.classify)"
 CAUSAL_CONTROL = "control: served vs reference causal mask"
 BIDIR_CONTROL = "control: served vs reference whole-prompt bidirectional"
@@ -494,6 +520,7 @@ CONTROL_TABLES = (ONE_BLOCK_CONTROL, CAUSAL_CONTROL, BIDIR_CONTROL)
 #: Every table a complete run produces, in the report's order.
 EXPECTED_TABLES = (
     HTTP_TABLE,
+    STATE_ONCE_TABLE,
     CAUSAL_CONTROL,
     BIDIR_CONTROL,
     INPROCESS_TABLE,
@@ -517,12 +544,12 @@ def report(results: dict, command: str) -> str:
         "",
         f"Targets: max abs dp <= {TOLERANCE}; a decision may change only where the "
         f"reference's top two are within {TIE}. Negative controls must exceed "
-        f"{CONTROL_MARGIN} x {TOLERANCE}.",
+        f"{CONTROL_MARGIN} x {TOLERANCE}. State once against one request per "
+        f"question (the same engine): max abs dp <= {STATE_ONCE_TOLERANCE}.",
         "",
     ]
     for section, rows in results["tables"].items():
-        control = section.startswith("control")
-        lines += [f"## {section}", "", *_table(list(rows.items()), control), ""]
+        lines += [f"## {section}", "", *_table(list(rows.items()), section), ""]
     missing = [t for t in EXPECTED_TABLES if t not in results["tables"]]
     missing += [] if "prefix_caching" in results else ["--enable-prefix-caching"]
     if missing:
@@ -642,10 +669,25 @@ def run(
     jobs = (
         {mode: in_process(mode, short_text) for mode in OTHER_MODES} if parallel else {}
     )
-    http = run_http(main, sets, work, long, engine_args)
+    # The same requests to a server that reads one question per request; in
+    # parallel (each engine holds a share of the GPU) beside the default one.
+    with ThreadPoolExecutor(2 if parallel else 1) as pool:
+        served_http = pool.submit(run_http, main, sets, work, long, engine_args)
+        per_question_http = pool.submit(
+            run_http,
+            main,
+            sets,
+            work,
+            long,
+            {**engine_args, **PER_QUESTION_ARGS},
+            "serve-per-question.log",
+        )
+        http, per_question = served_http.result(), per_question_http.result()
     results["http"] = {k: v for k, v in http.items() if k != "answers"}
     answers["http"] = http["answers"]
+    answers["http, one request per question"] = per_question["answers"]
     tables[HTTP_TABLE] = table(ref, http["answers"], sets)
+    tables[STATE_ONCE_TABLE] = table(per_question["answers"], http["answers"], sets)
     tables[CAUSAL_CONTROL] = table(ref_causal, http["answers"], short_text)
     tables[BIDIR_CONTROL] = table(ref_bidir, http["answers"], short_text)
     save()
