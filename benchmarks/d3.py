@@ -1,4 +1,4 @@
-"""Benchmark vLLM + vllm-d3 against the reference runtime on D3 requests.
+"""Benchmark vLLM + vllm-d3 (state once and per question) against the reference.
 
 ``python -m benchmarks.d3 --out DIR [--smoke] [--rows PATTERNS] [--sides SIDES]
 [--repeats N] [--long-repeats N] [--warmup N] [--vllm-long-warmup N]
@@ -13,26 +13,41 @@ Contract:
   otherwise: the declared ``validated_length``) serves the short rows and the
   throughput loads, and a second server with ``--max-model-len 131072`` the
   long-state rows. A package with weights is loaded by both instead.
+- ``--sides`` (default ``vllm,vllm_per_question,reference``): ``vllm`` is the
+  servers above, reading each request's state once (servers ``default`` and
+  ``long``); ``vllm_per_question`` the same servers with ``--additional-config
+  '{"d3_state_once": false}'``, one engine request per question (servers
+  ``default-per-question`` and ``long-per-question``). Each of these starts
+  right after its state-once twin (``server_groups``), so a time budget cuts
+  the long rows of both sides rather than one whole side.
+- Each latency row and load has an entry per side (``rows.SIDES``) and the
+  ratios of their p50s (of their requests per second for a load), ``None``
+  where a side was not measured: ``ratio`` (vllm / reference),
+  ``ratio_per_question`` (vllm_per_question / reference) and
+  ``speedup_state_once`` (above 1 where vllm is the faster: vllm_per_question
+  p50 / vllm p50, or vllm req/s / vllm_per_question req/s).
 - ``--smoke``: a tiny package, one request per row and no warm-up (the
   start-up request warms up), long states scaled by ``SMOKE_STATE_SCALE``, 5 s
   throughput loads. Without CUDA the reference runs in float32 on the CPU and
-  the vLLM rows read "not run (no CUDA)"; with CUDA both sides run there (a
+  the vLLM rows read "not run (no CUDA)"; with CUDA every side runs there (a
   quick end-to-end check of the harness).
 - Latency rows: ``rows.LATENCY_ROWS``; throughput loads:
   ``rows.THROUGHPUT_ROWS``. ``--rows`` keeps the ids matching any of its
   comma-separated ``fnmatch`` patterns (``text-*,tput-*``).
-- ``--vllm-long-warmup N`` (at most ``--warmup``): vLLM leaves out the first
-  ``warmup - N`` warm-up requests of each long-state row, so both sides still
-  time the same requests. The reference always sends ``--warmup``.
+- ``--vllm-long-warmup N`` (at most ``--warmup``): both vLLM sides leave out
+  the first ``warmup - N`` warm-up requests of each long-state row, so every
+  side still times the same requests. The reference always sends ``--warmup``.
 - ``--time-budget``: no row or load starts once it is spent, nor a long row
   whose estimated time is longer than what is left (``timing.RowGate``), and
   a row stops repeating when the time left is shorter than its last request;
   what was skipped is listed in the results.
-- Writes ``OUT/results.json``, ``OUT/results.md``, ``OUT/serve-*.log`` (one
+- Writes ``OUT/results.json``, ``OUT/results.md``, ``OUT/serve-NAME.log`` (one
   per server) and, when matplotlib is installed, ``OUT/latency_vs_state.png``;
   the results are rewritten after the reference and after each vLLM row, load
   and server (rows still to come read "pending"), so a run cut short keeps
-  what it measured.
+  what it measured. ``usage_matches_render`` in a vLLM side's row says whether
+  its ``usage.input_tokens`` are that side's token count
+  (``reference_side.token_accounting``).
   Progress lines carry timestamps.
 """
 
@@ -50,6 +65,7 @@ from typing import Any
 
 import torch
 
+from vllm_d3.model_executor.models.d3_contract import STATE_ONCE_KEY
 from vllm_d3.testing.requests import words_per_token
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 from vllm_d3.testing.validation import LONG_MAX_MODEL_LEN, VALIDATED_LENGTH, versions
@@ -65,6 +81,7 @@ from .rows import (
     MIXES,
     POOL_OFFSET,
     ROWS_BY_ID,
+    SIDES,
     STARTUP_ROW,
     THROUGHPUT_ROWS,
     Load,
@@ -75,8 +92,17 @@ from .rows import (
 from .timing import Budget, log
 
 SMOKE_STATE_SCALE = 1 / 64
-SIDES = ("vllm", "reference")
 NOT_RUN_NO_CUDA = "not run (no CUDA)"
+#: Each vLLM side: the suffix of its servers' names and its extra serve flags.
+VLLM_SIDES = {
+    "vllm": ("", []),
+    "vllm_per_question": (
+        "-per-question",
+        ["--additional-config", json.dumps({STATE_ONCE_KEY: False})],
+    ),
+}
+#: The token count each vLLM side's ``usage.input_tokens`` should report.
+USAGE_TOKENS = {"vllm": "tokens_vllm", "vllm_per_question": "tokens_vllm_per_question"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -94,8 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sides",
-        default="vllm,reference",
-        help="comma-separated: vllm, reference (default: both)",
+        default=",".join(SIDES),
+        help=f"comma-separated: {', '.join(SIDES)} (default: all)",
     )
     parser.add_argument("--repeats", type=int, help="timed requests per row (3)")
     parser.add_argument(
@@ -206,8 +232,34 @@ def _reference_throughput(
     }
 
 
+def server_groups(
+    smoke: bool, sides: list[str], rows: list[Row], loads: list[Load]
+) -> list[tuple[str, str, list[str], list[Row], list[Load]]]:
+    """(side, server name, extra flags, rows, loads) of each vLLM server to
+    start, in order: the default server of each side, then the long ones."""
+    # The smoke run's scaled long states fit the default server.
+    separate_long = not smoke
+    groups = [
+        ("default", [], [r for r in rows if not (separate_long and r.long)], loads),
+        (
+            "long",
+            ["--max-model-len", str(LONG_MAX_MODEL_LEN)],
+            [r for r in rows if separate_long and r.long],
+            [],
+        ),
+    ]
+    return [
+        (side, name + suffix, flags + side_flags, group_rows, group_loads)
+        for name, flags, group_rows, group_loads in groups
+        if group_rows or group_loads
+        for side in sides
+        for suffix, side_flags in [VLLM_SIDES[side]]
+    ]
+
+
 def _run_vllm(
     args: argparse.Namespace,
+    sides: list[str],
     checkpoint: Path,
     rows: list[Row],
     loads: list[Load],
@@ -219,17 +271,18 @@ def _run_vllm(
     budget: Budget,
     progress: Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], object],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The vLLM servers (by name), row results and load results;
-    ``progress`` gets the three so far after each row, load and server."""
+    """The servers of the vLLM ``sides`` (by name), their row results and load
+    results (by side, then id); ``progress`` gets the three so far after each
+    row, load and server."""
     servers: dict[str, Any] = {}
-    row_results: dict[str, Any] = {}
-    load_results: dict[str, Any] = {}
+    row_results: dict[str, dict[str, Any]] = {side: {} for side in sides}
+    load_results: dict[str, dict[str, Any]] = {side: {} for side in sides}
 
-    def server_progress(name: str, server: dict[str, Any]) -> None:
+    def server_progress(side: str, name: str, server: dict[str, Any]) -> None:
         progress(
             {**servers, name: server},
-            {**row_results, **server["rows"]},
-            {**load_results, **server["loads"]},
+            {**row_results, side: {**row_results[side], **server["rows"]}},
+            {**load_results, side: {**load_results[side], **server["loads"]}},
         )
 
     from .vllm_side import run_group
@@ -250,25 +303,13 @@ def _run_vllm(
         )
         for mix in sorted({load.mix for load in loads})
     }
-    # The smoke run's scaled long states fit the default server.
-    separate_long = not args.smoke
-    groups = [
-        ("default", [], [r for r in rows if not (separate_long and r.long)], loads),
-        (
-            "long",
-            ["--max-model-len", str(LONG_MAX_MODEL_LEN)],
-            [r for r in rows if separate_long and r.long],
-            [],
-        ),
-    ]
-    for name, flags, group_rows, group_loads in groups:
-        if not group_rows and not group_loads:
-            continue
+    groups = server_groups(args.smoke, sides, rows, loads)
+    for side, name, flags, group_rows, group_loads in groups:
         if budget.exhausted():
             for row in group_rows:
-                row_results[row.id] = {"status": "skipped (time budget)"}
+                row_results[side][row.id] = {"status": "skipped (time budget)"}
             for load in group_loads:
-                load_results[load.id] = {"status": "skipped (time budget)"}
+                load_results[side][load.id] = {"status": "skipped (time budget)"}
             continue
         servers[name] = run_group(
             str(checkpoint),
@@ -288,28 +329,35 @@ def _run_vllm(
                 "max_requests": args.max_requests,
             },
             logs=args.out,
-            progress=functools.partial(server_progress, name),
+            progress=functools.partial(server_progress, side, name),
         )
-        row_results.update(servers[name]["rows"])
-        load_results.update(servers[name]["loads"])
+        row_results[side].update(servers[name]["rows"])
+        load_results[side].update(servers[name]["loads"])
         progress(servers, row_results, load_results)
     return servers, row_results, load_results
+
+
+def _quotient(top: dict[str, Any], bottom: dict[str, Any], key: str) -> float | None:
+    """``top[key] / bottom[key]`` where both sides were measured, else None."""
+    if top.get("status") == "ok" and bottom.get("status") == "ok":
+        return top[key] / bottom[key]
+    return None
 
 
 def _latency_entry(
     row: Row,
     accounting: list[dict[str, Any]],
     warmup: int,
-    vllm: dict[str, Any],
-    reference: dict[str, Any],
+    sides: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
-    """One latency row of the results; its token counts are those of the first
-    timed request, ``requests`` has every request's."""
-    if vllm.get("status") == "ok":
-        expected = [a["tokens_vllm"] for a in accounting[warmup:]]
-        got = vllm["input_tokens"]
-        vllm["usage_matches_render"] = got == expected[: len(got)]
-    both = vllm.get("status") == "ok" and reference.get("status") == "ok"
+    """One latency row of the results, ``sides`` its result on each side (in
+    ``SIDES`` order); its token counts are those of the first timed request,
+    ``requests`` has every request's."""
+    for side, key in USAGE_TOKENS.items():
+        if sides[side].get("status") == "ok":
+            expected = [a[key] for a in accounting[warmup:]]
+            got = sides[side]["input_tokens"]
+            sides[side]["usage_matches_render"] = got == expected[: len(got)]
     timed = accounting[warmup]
     return {
         "id": row.id,
@@ -319,25 +367,35 @@ def _latency_entry(
         "long": row.long,
         **{k: v for k, v in timed.items() if k != "prompt_lengths"},
         "requests": accounting,
-        "vllm": vllm,
-        "reference": reference,
-        "ratio": vllm["p50_s"] / reference["p50_s"] if both else None,
+        **sides,
+        "ratio": _quotient(sides["vllm"], sides["reference"], "p50_s"),
+        "ratio_per_question": _quotient(
+            sides["vllm_per_question"], sides["reference"], "p50_s"
+        ),
+        "speedup_state_once": _quotient(
+            sides["vllm_per_question"], sides["vllm"], "p50_s"
+        ),
     }
 
 
 def _throughput_entry(
-    load: Load, vllm: dict[str, Any], latency: dict[str, dict[str, Any]]
+    load: Load, vllm: dict[str, dict[str, Any]], latency: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
-    reference = _reference_throughput(load.mix, latency)
-    both = vllm.get("status") == "ok" and reference.get("status") == "ok"
+    """One load of the results, ``vllm`` its result on each vLLM side."""
+    sides = {**vllm, "reference": _reference_throughput(load.mix, latency)}
     return {
         "id": load.id,
         "mix": load.mix,
         "mix_rows": list(MIXES[load.mix]),
         "clients": load.clients,
-        "vllm": vllm,
-        "reference": reference,
-        "ratio": vllm["requests_per_s"] / reference["requests_per_s"] if both else None,
+        **sides,
+        "ratio": _quotient(sides["vllm"], sides["reference"], "requests_per_s"),
+        "ratio_per_question": _quotient(
+            sides["vllm_per_question"], sides["reference"], "requests_per_s"
+        ),
+        "speedup_state_once": _quotient(
+            sides["vllm"], sides["vllm_per_question"], "requests_per_s"
+        ),
     }
 
 
@@ -377,7 +435,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     }
     log("requests rendered (tokens per request counted)")
 
-    run_vllm = "vllm" in args.sides and cuda
+    vllm_sides = [side for side in VLLM_SIDES if side in args.sides] if cuda else []
     reference: dict[str, Any] = {"status": "not run (--sides)", "rows": {}}
     # transformers binds flash-linear-attention's CUDA kernels wherever it is
     # installed, so with CUDA the reference runs there, smoke runs included.
@@ -398,7 +456,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                 device=ref_device,
                 dtype=ref_dtype,
                 warmup=args.warmup,
-                budget=budget.share(args.reference_share) if run_vllm else budget,
+                budget=budget.share(args.reference_share) if vllm_sides else budget,
                 seed=args.seed,
             )
         finally:
@@ -409,24 +467,41 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
     def write(
         servers: dict[str, Any],
-        vllm_rows: dict[str, Any],
-        vllm_loads: dict[str, Any],
+        vllm_rows: dict[str, dict[str, Any]],
+        vllm_loads: dict[str, dict[str, Any]],
         missing: dict[str, Any],
     ) -> dict[str, Any]:
-        """Write the results so far: a run cut short still leaves its rows."""
+        """Write the results so far: a run cut short still leaves its rows.
+        ``missing`` stands for a result a side that runs does not have."""
+
+        def vllm_results(
+            results: dict[str, dict[str, Any]], item: str
+        ) -> dict[str, dict[str, Any]]:
+            """Each vLLM side's result for ``item`` (a row or load id)."""
+            return {
+                side: results.get(side, {}).get(
+                    item, dict(missing if side in vllm_sides else not_run)
+                )
+                for side in VLLM_SIDES
+            }
+
         latency = [
             _latency_entry(
                 row,
                 accounting[row.id],
                 args.warmup,
-                vllm_rows.get(row.id, dict(missing)),
-                reference["rows"].get(row.id, {"status": reference.get("status")}),
+                {
+                    **vllm_results(vllm_rows, row.id),
+                    "reference": reference["rows"].get(
+                        row.id, {"status": reference.get("status")}
+                    ),
+                },
             )
             for row in rows
         ]
         by_id = {entry["id"]: entry for entry in latency}
         throughput = [
-            _throughput_entry(load, vllm_loads.get(load.id, dict(missing)), by_id)
+            _throughput_entry(load, vllm_results(vllm_loads, load.id), by_id)
             for load in loads
         ]
         results = {
@@ -475,13 +550,14 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "distinct_requests_per_row": args.pool,
         },
     }
-    if not run_vllm:
+    if not vllm_sides:
         results = write({}, {}, {}, not_run)
     else:
         write({}, {}, {}, pending)
         log(f"reference written to {out / 'results.json'}")
         servers, vllm_rows, vllm_loads = _run_vllm(
             args,
+            vllm_sides,
             checkpoint,
             rows,
             loads,

@@ -2,21 +2,35 @@
 
 Contract:
 - ``markdown(results)`` renders the results dictionary written by
-  ``benchmarks.d3`` as markdown: latency rows with the vLLM / reference ratio
-  of the p50s, the tokens each side computes per request (and how many times
-  it reads the state), throughput with the ratio of requests per second,
-  start-up, peak GPU memory, skipped rows and the environment. A side that did
-  not run shows its status instead of a number.
+  ``benchmarks.d3`` as markdown: latency rows with the p50 of each side
+  (``rows.SIDES``: vLLM state once, vLLM per question, the reference), the
+  ratios of the p50s, the tokens each side computes per request and how many
+  times it reads the state; throughput with each side's requests and
+  questions per second and their ratios; start-up and peak GPU memory of each
+  server, skipped rows and the environment. A side that did not run shows its
+  status instead of a number.
 - ``plot(results, path)`` draws p50 latency against the state block size for
-  the rows without media, both sides, log-log. It returns a note: the file
-  written, or why it was skipped (matplotlib missing, nothing measured).
+  the rows without media, every side measured, log-log. It returns a note: the
+  file written, or why it was skipped (matplotlib missing, nothing measured).
 """
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .rows import SIDES
+
+#: How the tables and the plot name each side.
+LABELS = {
+    "vllm": "vLLM state once",
+    "vllm_per_question": "vLLM per question",
+    "reference": "reference",
+}
+#: What a cell holding one value per side, "a / b / c", lists.
+PER_SIDE = "state once / per question / reference"
 
 
 def _ok(side: dict[str, Any] | None) -> bool:
@@ -45,42 +59,72 @@ def _side_cells(
     render: Callable[[dict[str, Any]], list[str]],
     width: int = 1,
 ) -> list[str]:
-    """vLLM's ``width`` cells then the reference's: ``render(side)`` where the
-    side was measured, else its status and blanks."""
+    """Each side's ``width`` cells, in ``SIDES`` order: ``render(side)`` where
+    the side was measured, else its status and blanks."""
     cells: list[str] = []
-    for side in (entry["vllm"], entry["reference"]):
+    for side in (entry[name] for name in SIDES):
         cells += render(side) if _ok(side) else [_status(side)] + [""] * (width - 1)
     return cells
 
 
+def _header(columns: list[str]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+
+
+def _ratio_cells(entry: dict[str, Any]) -> str:
+    keys = ("ratio", "ratio_per_question", "speedup_state_once")
+    return " | ".join(_ratio(entry[key]) for key in keys)
+
+
+def _tokens(row: dict[str, Any], side: str) -> str:
+    """The tokens ``side`` computes, with its ``usage.input_tokens`` where
+    they differ."""
+    shown = f"{row[f'tokens_{side}']:,}"
+    if _ok(row[side]) and row[side].get("usage_matches_render") is False:
+        shown += f" (usage.input_tokens {row[side]['input_tokens']})"
+    return shown
+
+
 def _latency_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| row | questions | state tokens | vLLM p50 (ms) | reference p50 (ms) "
-        "| vLLM / reference | tokens computed: vLLM | reference "
-        "| state reads: vLLM / reference |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = _header(
+        [
+            "row",
+            "questions",
+            "state tokens",
+            *(f"{LABELS[side]} p50 (ms)" for side in SIDES),
+            "state once / reference",
+            "per question / reference",
+            "per question / state once",
+            f"tokens computed: {PER_SIDE}",
+            f"state reads: {PER_SIDE}",
+        ]
+    )
     for row in rows:
         cells = _side_cells(row, lambda side: [_ms(side["p50_s"])])
-        tokens_vllm = f"{row['tokens_vllm']:,}"
-        if _ok(row["vllm"]) and not row["vllm"]["usage_matches_render"]:
-            tokens_vllm += f" (usage.input_tokens {row['vllm']['input_tokens']})"
+        tokens = " / ".join(_tokens(row, side) for side in SIDES)
+        reads = " / ".join(str(row[f"state_reads_{side}"]) for side in SIDES)
         lines.append(
             f"| {row['label']} | {row['questions']} | {row['state_tokens']:,} "
-            f"| {cells[0]} | {cells[1]} | {_ratio(row['ratio'])} "
-            f"| {tokens_vllm} | {row['tokens_reference']:,} "
-            f"| {row['state_reads_vllm']} / {row['state_reads_reference']} |"
+            f"| {' | '.join(cells)} | {_ratio_cells(row)} | {tokens} | {reads} |"
         )
     return lines
 
 
 def _throughput_table(loads: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| mix | clients | vLLM req/s | vLLM questions/s "
-        "| reference req/s (one at a time) | reference questions/s "
-        "| vLLM / reference (req/s) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = _header(
+        [
+            "mix",
+            "clients",
+            *(
+                f"{LABELS[side]} {unit}"
+                for side in SIDES
+                for unit in ("req/s", "questions/s")
+            ),
+            "state once / reference (req/s)",
+            "per question / reference",
+            "state once / per question",
+        ]
+    )
     for load in loads:
         cells = _side_cells(
             load,
@@ -92,7 +136,7 @@ def _throughput_table(loads: list[dict[str, Any]]) -> list[str]:
         )
         lines.append(
             f"| {load['mix']} | {load['clients']} | {' | '.join(cells)} "
-            f"| {_ratio(load['ratio'])} |"
+            f"| {_ratio_cells(load)} |"
         )
     return lines
 
@@ -107,7 +151,7 @@ def _startup_table(results: dict[str, Any]) -> list[str]:
         first = f"{startup['first_answer_s']:.1f}" if _ok(startup) else _status(startup)
         peak = _gib(memory["peak_memory_gib"]) if _ok(memory) else memory.get("status")
         lines.append(
-            f"| vLLM, {name} server (`{' '.join(group['command'][3:])}`) | {first} "
+            f"| vLLM, {name} server (`{shlex.join(group['command'][3:])}`) | {first} "
             f"| {peak} | {startup.get('max_model_len', '')} |"
         )
     reference = results["reference"]
@@ -146,8 +190,12 @@ def markdown(results: dict[str, Any]) -> str:
         f"({settings['long_repeats']} for the long states) after "
         f"{settings['warmup']} warm-up{_vllm_long_warmup(settings)}, one "
         "request at a time, each request distinct. vLLM is timed over HTTP "
-        "(`/v1/systemone`); the reference in process "
-        "(`answer(path='state_once')`, the state read once).",
+        "(`/v1/systemone`): *state once* is the plugin's default, all questions "
+        "of a request in one engine request (state || q1 || ... || qQ); *per "
+        "question* a server with `--additional-config "
+        "'{\"d3_state_once\": false}'`, one engine request per question. The "
+        "reference is timed in process (`answer(path='state_once')`, the state "
+        "read once).",
         "",
         "## Latency",
         "",
@@ -160,10 +208,11 @@ def markdown(results: dict[str, Any]) -> str:
             if settings["state_scale"] != 1
             else []
         ),
-        "A ratio below 1 means vLLM is faster. Tokens computed per request: vLLM "
-        "runs one prompt per question (the sum of the prompt lengths, its "
-        "`usage.input_tokens`); the reference reads the state once "
-        "(s + sum(n_i - s)).",
+        "Ratios of the p50s: below 1 means the first named is faster. Tokens "
+        "computed per request (s state tokens, n_i each question's prompt "
+        "length): state once and the reference read the state once, "
+        "s + sum(n_i - s); per question reads it for every question, sum(n_i). "
+        "A vLLM count whose `usage.input_tokens` differ shows them beside it.",
         "",
         *_latency_table(results["latency"]),
         "",
@@ -172,8 +221,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"Each run: {settings['throughput']['warmup_s']:g} s warm-up, then "
         f"{settings['throughput']['duration_s']:g} s measured. The reference "
         "serves one request at a time: its figures are the mix's requests over "
-        "the sum of their latency-row p50s. A ratio above 1 means vLLM serves "
-        "more.",
+        "the sum of their latency-row p50s. Ratios of the requests per second: "
+        "above 1 means the first named serves more.",
         "",
         *_throughput_table(results["throughput"]),
         "",
@@ -211,7 +260,7 @@ def plot(results: dict[str, Any], path: Path) -> str:
         return "skipped: matplotlib is not installed"
     rows = [r for r in results["latency"] if not r["media"]]
     series = {}
-    for side, marker in (("vllm", "o"), ("reference", "s")):
+    for side, marker in zip(SIDES, ("o", "^", "s"), strict=True):
         points = sorted(
             (r["state_tokens"], r[side]["p50_s"], r["id"]) for r in rows if _ok(r[side])
         )
@@ -222,7 +271,7 @@ def plot(results: dict[str, Any], path: Path) -> str:
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for side, (points, marker) in series.items():
         xs, ys, _ = zip(*points, strict=True)
-        axes.plot(xs, ys, marker, label="vLLM" if side == "vllm" else "reference")
+        axes.plot(xs, ys, marker, label=LABELS[side])
         for x, y, row_id in points:
             axes.annotate(row_id, (x, y), textcoords="offset points", xytext=(4, 4))
     axes.set_xscale("log")

@@ -1,6 +1,9 @@
 """What the D3 benchmark measures, and the seeded requests it sends.
 
 Contract:
+- ``SIDES``: what is timed, by its key in the results: ``vllm`` (the plugin's
+  default, each request's state read once), ``vllm_per_question`` (one engine
+  request per question, the state read again for each) and ``reference``.
 - ``LATENCY_ROWS``: one ``Row`` per latency row (id, label, question count, and
   the state: words of text, a target length in tokens for the long rows,
   photos or a video). ``THROUGHPUT_ROWS``: one ``Load`` per closed-loop run
@@ -36,6 +39,8 @@ MEDIA_STATE_WORDS = 20
 PHOTO_SIZE = (1024, 768)
 PHOTOS_SIZE = (640, 480)
 VIDEO_SECONDS = 11.0
+
+SIDES = ("vllm", "vllm_per_question", "reference")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""vLLM's side of the D3 benchmark: ``vllm serve`` on loopback, over HTTP.
+"""vLLM's sides of the D3 benchmark: ``vllm serve`` on loopback, over HTTP.
 
 Contract:
 - ``serve_flags(checkpoint, extra)``: the flags after the checkpoint besides
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import threading
 import time
@@ -234,7 +235,7 @@ def run_group(
     loads_out: dict[str, Any] = {}
     result["rows"], result["loads"] = rows_out, loads_out
     result["memory"] = {"status": "pending (server running)"}
-    log(f"vLLM {name}: starting vllm serve {' '.join(flags)}")
+    log(f"vLLM {name}: starting vllm serve {shlex.join(flags)}")
     poller = MemoryPoller()
     started = time.perf_counter()
     with Server(checkpoint, *flags, log_file=log_file) as server:

@@ -11,13 +11,14 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from benchmarks import d3, vllm_side
-from benchmarks.reference_side import RandomInitRuntime
+from benchmarks import d3, report, vllm_side
+from benchmarks.reference_side import RandomInitRuntime, token_accounting
 from benchmarks.rows import (
     LATENCY_ROWS,
     ROWS_BY_ID,
@@ -29,6 +30,7 @@ from benchmarks.rows import (
 from benchmarks.timing import Budget, RowGate
 
 CUDA = torch.cuda.is_available()
+PER_QUESTION_FLAGS = ("--additional-config", '{"d3_state_once": false}')
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +62,23 @@ def test_smoke_marks_vllm_not_run_without_cuda(smoke):
     _, results = smoke
     for entry in results["latency"] + results["throughput"]:
         assert entry["vllm"] == {"status": "not run (no CUDA)"}
+        assert entry["vllm_per_question"] == {"status": "not run (no CUDA)"}
         assert entry["ratio"] is None
+        assert entry["ratio_per_question"] is None
+        assert entry["speedup_state_once"] is None
     assert results["vllm_servers"] == {}
 
 
 def test_smoke_writes_the_markdown_table_and_plot(smoke):
     out, results = smoke
     text = (out / "results.md").read_text()
-    assert "| row | questions | state tokens | vLLM p50 (ms) |" in text
-    assert "| vLLM / reference |" in text
+    assert (
+        "| row | questions | state tokens | vLLM state once p50 (ms) "
+        "| vLLM per question p50 (ms) | reference p50 (ms) "
+        "| state once / reference | per question / reference "
+        "| per question / state once |"
+    ) in text
+    assert "| vLLM per question req/s | vLLM per question questions/s |" in text
     for row in LATENCY_ROWS:
         assert f"| {row.label} |" in text
     if not CUDA:
@@ -83,8 +93,9 @@ def test_smoke_writes_the_markdown_table_and_plot(smoke):
 
 
 def test_smoke_counts_tokens_per_request(smoke):
-    """vLLM reads the state once per question (the sum of the prompt lengths);
-    the reference's state_once path reads it once: s + sum(n_i - s)."""
+    """vLLM state once and the reference's state_once path read the state once:
+    s + sum(n_i - s); vLLM per question reads it once per question: the sum of
+    the prompt lengths."""
     out, results = smoke
     settings = results["settings"]
     renderer = RandomInitRuntime(settings["checkpoint"], device="meta")
@@ -100,14 +111,18 @@ def test_smoke_counts_tokens_per_request(smoke):
             rendered = renderer.render(request)
             s = rendered[0].state_tokens
             lengths = [len(r.token_ids) for r in rendered]
+            once = s + sum(n - s for n in lengths)
             assert counted["state_tokens"] == s
-            assert counted["tokens_vllm"] == sum(lengths)
-            assert counted["tokens_reference"] == s + sum(n - s for n in lengths)
-            assert counted["state_reads_vllm"] == len(rendered)
+            assert counted["tokens_vllm"] == once
+            assert counted["tokens_vllm_per_question"] == sum(lengths)
+            assert counted["tokens_reference"] == once
+            assert counted["state_reads_vllm"] == 1
+            assert counted["state_reads_vllm_per_question"] == len(rendered)
+            assert counted["state_reads_reference"] == 1
         if row["questions"] > 1:
-            assert row["tokens_vllm"] > row["tokens_reference"]
+            assert row["tokens_vllm_per_question"] > row["tokens_vllm"]
         else:
-            assert row["tokens_vllm"] == row["tokens_reference"]
+            assert row["tokens_vllm_per_question"] == row["tokens_vllm"]
 
 
 def test_smoke_scales_the_long_states(smoke):
@@ -173,6 +188,107 @@ def test_requests_are_distinct_and_reproducible():
     assert all(len(r["questions"]) == 4 for r in first)
 
 
+def _rendered(state_tokens: int, lengths: list[int]) -> list[SimpleNamespace]:
+    """Stands in for ``RenderedQuestion``: what ``token_accounting`` reads."""
+    return [
+        SimpleNamespace(state_tokens=state_tokens, token_ids=[0] * n) for n in lengths
+    ]
+
+
+def test_token_accounting_counts_each_side():
+    counted = token_accounting(_rendered(10, [15, 12, 20]))  # type: ignore[arg-type]
+    assert counted == {
+        "state_tokens": 10,
+        "prompt_lengths": [15, 12, 20],
+        "tokens_vllm": 10 + 5 + 2 + 10,
+        "tokens_vllm_per_question": 15 + 12 + 20,
+        "tokens_reference": 10 + 5 + 2 + 10,
+        "state_reads_vllm": 1,
+        "state_reads_vllm_per_question": 3,
+        "state_reads_reference": 1,
+    }
+
+
+def test_usage_is_judged_against_each_vllm_sides_own_count():
+    # One warm-up request, then one timed: 27 tokens state once, 47 per question.
+    accounting = [
+        token_accounting(_rendered(8, [9, 9])),  # type: ignore[arg-type]
+        token_accounting(_rendered(10, [15, 12, 20])),  # type: ignore[arg-type]
+    ]
+
+    def entry(state_once_usage: int, per_question_usage: int) -> dict[str, Any]:
+        return d3._latency_entry(
+            ROWS_BY_ID["text-4"],
+            accounting,
+            1,
+            {
+                "vllm": {
+                    "status": "ok",
+                    "p50_s": 1.0,
+                    "input_tokens": [state_once_usage],
+                },
+                "vllm_per_question": {
+                    "status": "ok",
+                    "p50_s": 3.0,
+                    "input_tokens": [per_question_usage],
+                },
+                "reference": {"status": "ok", "p50_s": 2.0},
+            },
+        )
+
+    right = entry(27, 47)
+    assert right["vllm"]["usage_matches_render"] is True
+    assert right["vllm_per_question"]["usage_matches_render"] is True
+    assert "usage_matches_render" not in right["reference"]
+    assert (right["tokens_vllm"], right["tokens_vllm_per_question"]) == (27, 47)
+    assert (right["state_reads_vllm"], right["state_reads_vllm_per_question"]) == (1, 3)
+    assert right["ratio"] == pytest.approx(0.5)
+    assert right["ratio_per_question"] == pytest.approx(1.5)
+    assert right["speedup_state_once"] == pytest.approx(3.0)
+    swapped = entry(47, 27)
+    assert swapped["vllm"]["usage_matches_render"] is False
+    assert swapped["vllm_per_question"]["usage_matches_render"] is False
+    one_wrong = entry(27, 27)
+    assert one_wrong["vllm"]["usage_matches_render"] is True
+    assert one_wrong["vllm_per_question"]["usage_matches_render"] is False
+
+
+def test_each_vllm_server_has_a_per_question_twin():
+    rows = [ROWS_BY_ID["text-1"], ROWS_BY_ID["state-24k"]]
+    loads = [Load("tput-text-8", "text", 8)]
+    sides = ["vllm", "vllm_per_question"]
+    groups = d3.server_groups(False, sides, rows, loads)
+    long_flags = ["--max-model-len", "131072"]
+    assert [(side, name, flags) for side, name, flags, _, _ in groups] == [
+        ("vllm", "default", []),
+        ("vllm_per_question", "default-per-question", [*PER_QUESTION_FLAGS]),
+        ("vllm", "long", long_flags),
+        ("vllm_per_question", "long-per-question", [*long_flags, *PER_QUESTION_FLAGS]),
+    ]
+    for _, name, _, group_rows, group_loads in groups:
+        long = name.startswith("long")
+        assert [r.id for r in group_rows] == (["state-24k"] if long else ["text-1"])
+        assert group_loads == ([] if long else loads)
+    # The smoke run's long states fit the default server: no long servers.
+    smoke = d3.server_groups(True, ["vllm_per_question"], rows, loads)
+    assert [(name, rows) for _, name, _, rows, _ in smoke] == [
+        ("default-per-question", rows)
+    ]
+
+
+def test_sides_default_to_all_three():
+    assert d3.parse_args(["--out", "x"]).sides == [
+        "vllm",
+        "vllm_per_question",
+        "reference",
+    ]
+    assert d3.parse_args(["--out", "x", "--sides", "vllm_per_question"]).sides == [
+        "vllm_per_question"
+    ]
+    with pytest.raises(SystemExit):
+        d3.parse_args(["--out", "x", "--sides", "vllm,per_question"])
+
+
 # -------------------------------------------------------- vLLM side, stubbed
 
 
@@ -201,16 +317,19 @@ class _StubHandler(BaseHTTPRequestHandler):
 
 
 class _StubServer:
-    """Stands in for ``validation.Server``: the stub on loopback. ``last`` is
-    the latest one started; its ``httpd.bodies`` are the requests it got."""
+    """Stands in for ``validation.Server``: the stub on loopback. ``started``
+    lists every one started, in order (tests reset it); each keeps its
+    ``flags`` and ``log_file``, and its ``httpd.bodies`` are the requests it
+    got."""
 
-    last: _StubServer | None = None
+    started: list[_StubServer] = []
 
     def __init__(self, checkpoint: str, *flags: str, log_file: Path):
         log_file.write_text("INFO Model loading took 1.0 GiB\n")
+        self.flags, self.log_file = flags, log_file
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _StubHandler)
         self.httpd.bodies = []  # type: ignore[attr-defined]
-        _StubServer.last = self
+        _StubServer.started.append(self)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -275,6 +394,7 @@ def test_vllm_long_rows_leave_out_warmups_but_time_the_same_requests(
     monkeypatch, tmp_path
 ):
     monkeypatch.setattr(vllm_side, "Server", _StubServer)
+    monkeypatch.setattr(_StubServer, "started", [])
     short, long = ROWS_BY_ID["text-1"], ROWS_BY_ID["state-24k"]
     requests = {
         row.id: row_requests(
@@ -299,8 +419,8 @@ def test_vllm_long_rows_leave_out_warmups_but_time_the_same_requests(
         logs=tmp_path,
         progress=lambda so_far: None,
     )
-    assert _StubServer.last is not None
-    sent = _StubServer.last.httpd.bodies  # type: ignore[attr-defined]
+    (server,) = _StubServer.started
+    sent = server.httpd.bodies  # type: ignore[attr-defined]
     # Start-up, every short request, then only the long row's timed ones.
     assert sent == [startup, *requests[short.id], *requests[long.id][2:]]
     assert len(result["rows"][short.id]["warmup_s"]) == 2
@@ -328,13 +448,20 @@ def test_closed_loop_stops_at_the_request_cap(monkeypatch, tmp_path):
     assert load["requests"] <= 20
 
 
-def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
-    """The orchestration as on a CUDA machine: vLLM rows, loads, ratios and the
-    report, with the stub standing in for ``vllm serve``."""
-    out, _ = smoke
+def _pretend_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA machine as far as ``benchmarks.d3`` can tell, with the stub
+    standing in for ``vllm serve``."""
     monkeypatch.setattr(vllm_side, "Server", _StubServer)
+    monkeypatch.setattr(_StubServer, "started", [])
     monkeypatch.setattr(d3.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(d3, "_environment", lambda: {"gpu": "stub"})
+
+
+def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
+    """The orchestration as on a CUDA machine: both vLLM sides' rows, loads,
+    ratios and the report, with the stub standing in for ``vllm serve``."""
+    out, _ = smoke
+    _pretend_cuda(monkeypatch)
     argv = ["--smoke", "--out", str(tmp_path), "--work", str(out / "work")]
     argv += ["--rows", "text-1,text-4,state-24k,tput-text-8"]
     argv += ["--reference-device", "cpu"]
@@ -342,22 +469,79 @@ def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
     argv += ["--warmup", "1", "--vllm-long-warmup", "0"]
     d3.main(argv)
     results = json.loads((tmp_path / "results.json").read_text())
-    assert list(results["vllm_servers"]) == ["default"]
+    # The default sides: the per-question server after its state-once twin,
+    # the one with the state-once switch off.
+    assert results["settings"]["sides"] == ["vllm", "vllm_per_question", "reference"]
+    assert list(results["vllm_servers"]) == ["default", "default-per-question"]
+    state_once, per_question = _StubServer.started
+    assert state_once.log_file == tmp_path / "serve-default.log"
+    assert per_question.log_file == tmp_path / "serve-default-per-question.log"
+    assert not set(PER_QUESTION_FLAGS) & set(state_once.flags)
+    assert per_question.flags[-2:] == PER_QUESTION_FLAGS
+    assert json.loads(per_question.flags[-1]) == {"d3_state_once": False}
     for row in results["latency"]:
-        assert row["vllm"]["status"] == "ok"
-        assert len(row["vllm"]["warmup_s"]) == (0 if row["long"] else 1)
+        for side in ("vllm", "vllm_per_question"):
+            assert row[side]["status"] == "ok"
+            assert len(row[side]["warmup_s"]) == (0 if row["long"] else 1)
+            # The stub's usage (100 tokens a question) is neither side's count.
+            assert row[side]["usage_matches_render"] is False
         assert len(row["reference"]["warmup_s"]) == 1
-        assert row["ratio"] == pytest.approx(
-            row["vllm"]["p50_s"] / row["reference"]["p50_s"]
+        p50 = {side: row[side]["p50_s"] for side in d3.SIDES}
+        assert row["ratio"] == pytest.approx(p50["vllm"] / p50["reference"])
+        assert row["ratio_per_question"] == pytest.approx(
+            p50["vllm_per_question"] / p50["reference"]
         )
-        # The stub's usage (100 tokens a question) is not the rendered count.
-        assert row["vllm"]["usage_matches_render"] is False
+        assert row["speedup_state_once"] == pytest.approx(
+            p50["vllm_per_question"] / p50["vllm"]
+        )
     (load,) = results["throughput"]
-    assert load["vllm"]["status"] == "ok" and load["vllm"]["requests_per_s"] > 0
+    for side in ("vllm", "vllm_per_question"):
+        assert load[side]["status"] == "ok" and load[side]["requests_per_s"] > 0
+    assert load["speedup_state_once"] == pytest.approx(
+        load["vllm"]["requests_per_s"] / load["vllm_per_question"]["requests_per_s"]
+    )
     # Three of the text mix's five rows were left out by --rows.
     assert load["reference"]["status"].startswith("not run")
-    assert load["ratio"] is None
+    assert load["ratio"] is None and load["ratio_per_question"] is None
     text = (tmp_path / "results.md").read_text()
     assert "1 warm-up (0 for vLLM's long states: it times the same" in text
-    assert "(usage.input_tokens [100])" in text
+    four = next(row for row in results["latency"] if row["id"] == "text-4")
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| row |"))
+    line = next(line for line in lines if line.startswith(f"| {four['label']} |"))
+    cells = [cell.strip() for cell in line.split("|")[1:-1]]
+    assert len(cells) == header.count("|") - 1
+    # The p50 of state once, per question and the reference, then the ratios.
+    assert cells[3:6] == [report._ms(four[side]["p50_s"]) for side in d3.SIDES]
+    ratios = ("ratio", "ratio_per_question", "speedup_state_once")
+    assert cells[6:9] == [f"{four[key]:.3g}" for key in ratios]
+    # Tokens and state reads of state once / per question / the reference.
+    assert (
+        f"| {four['tokens_vllm']:,} (usage.input_tokens [400]) "
+        f"/ {four['tokens_vllm_per_question']:,} (usage.input_tokens [400]) "
+        f"/ {four['tokens_reference']:,} | 1 / 4 / 1 |"
+    ) in text
     assert "default server (`--gdn-prefill-backend triton --load-format" in text
+    assert (
+        "default-per-question server (`--gdn-prefill-backend triton --load-format "
+        "dummy --additional-config '{\"d3_state_once\": false}'`)"
+    ) in text
+
+
+def test_a_run_with_the_per_question_side_alone(smoke, monkeypatch, tmp_path):
+    out, _ = smoke
+    _pretend_cuda(monkeypatch)
+    argv = ["--smoke", "--out", str(tmp_path), "--work", str(out / "work")]
+    argv += ["--rows", "text-4", "--sides", "vllm_per_question"]
+    d3.main(argv)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["vllm_servers"]) == ["default-per-question"]
+    (server,) = _StubServer.started
+    assert server.flags[-2:] == PER_QUESTION_FLAGS
+    (row,) = results["latency"]
+    assert row["vllm"] == {"status": "not run (--sides)"}
+    assert row["reference"] == {"status": "not run (--sides)"}
+    assert row["vllm_per_question"]["input_tokens"] == [400]
+    assert row["ratio"] is row["ratio_per_question"] is row["speedup_state_once"]
+    assert row["ratio"] is None
+    assert results["skipped"] == []

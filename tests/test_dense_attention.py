@@ -250,6 +250,16 @@ def test_the_state_once_switch_and_a_chosen_gdn_kernel(
     assert config.additional_config["gdn_prefill_backend"] == chosen
 
 
+def test_a_quantized_kv_cache_reads_one_question_per_request(
+    make_checkpoint, hopper, hook_log
+):
+    config = engine_config(make_checkpoint(weights=False), kv_cache_dtype="fp8")
+    assert config.additional_config["d3_state_once"] is False
+    assert "one engine request per question (reading the state once needs a " in (
+        "\n".join(hook_log)
+    )
+
+
 def test_a_bad_state_once_switch_stops_start_up(make_checkpoint, hopper):
     with pytest.raises(ValueError, match="d3_state_once must be true or false"):
         engine_config(

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm.model_executor.models import config as upstream
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from vllm_d3 import installed_hooks, owns_custom_backend
 
@@ -135,9 +136,19 @@ def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
             "D3 prefix_bidir needs --additional-config to be a JSON object, not "
             f"{type(extra).__name__}"
         )
-    requested = state_once_of(extra)
-    extra[STATE_ONCE_KEY] = requested and dense_attention
-    if extra[STATE_ONCE_KEY]:
+    if not state_once_of(extra):
+        why_not: str | None = f"{STATE_ONCE_KEY} is false"
+    elif not dense_attention:
+        why_not = "reading the state once needs the dense-piece attention"
+    elif is_quantized_kv_cache(vllm_config.cache_config.cache_dtype):
+        # Packed rows merge two FlashAttention passes over bf16/fp16 keys.
+        why_not = "reading the state once needs a bf16/fp16 KV cache"
+    elif vllm_config.parallel_config.decode_context_parallel_size > 1:
+        why_not = "reading the state once does not run with context parallelism"
+    else:
+        why_not = None
+    extra[STATE_ONCE_KEY] = why_not is None
+    if why_not is None:
         logger.info(
             "D3 prefix_bidir: /v1/systemone reads each request's state once (the "
             "questions packed into one engine request). --additional-config "
@@ -147,9 +158,7 @@ def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
     else:
         logger.info(
             "D3 prefix_bidir: /v1/systemone sends one engine request per question (%s)",
-            f"{STATE_ONCE_KEY} is false"
-            if not requested
-            else "reading the state once needs the dense-piece attention",
+            why_not,
         )
     chosen = extra.get(GDN_PREFILL_BACKEND_KEY)
     if chosen is None:

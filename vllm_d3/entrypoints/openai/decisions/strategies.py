@@ -74,7 +74,9 @@ def state_block_size(offsets: Sequence[tuple[int, int]], state_end: int) -> int:
     return count
 
 
-def pack_questions(state_tokens: int, question_lens: Sequence[int], limit: int):
+def pack_questions(
+    state_tokens: int, question_lens: Sequence[int], limit: int
+) -> list[list[int]]:
     """Consecutive questions grouped so that ``s + sum(q)`` stays within
     ``limit``; a question too long for any pack goes alone (and fails as its
     own prompt would). Returns lists of question indices."""
