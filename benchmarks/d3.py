@@ -68,7 +68,6 @@ import torch
 from vllm_d3.model_executor.models.d3_contract import STATE_ONCE_KEY
 from vllm_d3.testing.requests import words_per_token
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
-from vllm_d3.testing.validation import LONG_MAX_MODEL_LEN, VALIDATED_LENGTH, versions
 
 from . import report
 from .reference_side import (
@@ -90,6 +89,7 @@ from .rows import (
     select,
 )
 from .timing import Budget, log
+from .validation import LONG_MAX_MODEL_LEN, VALIDATED_LENGTH, versions
 
 SMOKE_STATE_SCALE = 1 / 64
 NOT_RUN_NO_CUDA = "not run (no CUDA)"

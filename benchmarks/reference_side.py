@@ -45,10 +45,10 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
 
 from vllm_d3.reference import ReferenceRuntime, RenderedQuestion
 from vllm_d3.reference import runtime as reference_runtime
-from vllm_d3.testing.validation import GPU_ONLY_KERNEL_PACKAGES
 
 from .rows import Row
 from .timing import Budget, RowGate, log, measure
+from .validation import GPU_ONLY_KERNEL_PACKAGES
 
 GIB = 2**30
 #: The reference's attention kernel when it is timed: torch's fused SDPA kernels.

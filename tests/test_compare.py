@@ -2,13 +2,13 @@
 
 import pytest
 
-from vllm_d3.testing.compare import compare, decision, flatten, probabilities
-from vllm_d3.testing.validation import (
+from benchmarks.validation import (
     HTTP_TABLE,
     STATE_ONCE_TABLE,
     report,
     verdict_of,
 )
+from vllm_d3.testing.compare import compare, decision, flatten, probabilities
 
 
 def choice(*probs):

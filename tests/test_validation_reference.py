@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import validation
 from vllm_d3.reference import ReferenceRuntime
 from vllm_d3.testing import server as server_module
-from vllm_d3.testing import validation
 from vllm_d3.testing.compare import compare, flatten
 
 FAKE_FLA = """

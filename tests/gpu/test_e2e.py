@@ -6,7 +6,7 @@ One command on any CUDA machine with vLLM 0.33.0 and this package installed:
     VLLM_D3_FULL_VALIDATION=1 pytest -m gpu tests/gpu   # + 24K and 64K-token states
     VLLM_D3_VALIDATION_DTYPE=bfloat16 pytest -m gpu tests/gpu  # serve in another dtype
 
-The run (``vllm_d3.testing.validation``) also writes ``results.json`` and
+The run (``benchmarks.validation``) also writes ``results.json`` and
 ``validation.md`` under ``VLLM_D3_VALIDATION_OUT`` (default: a pytest temp dir).
 """
 
@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_d3.testing.compare import CONTROL_MARGIN, TOLERANCE, passes
-from vllm_d3.testing.validation import (
+from benchmarks.validation import (
     CONTROL_TABLES,
     GPU_CHECK_TABLE,
     INPROCESS_TABLE,
@@ -27,6 +26,7 @@ from vllm_d3.testing.validation import (
     run,
     verdict_of,
 )
+from vllm_d3.testing.compare import CONTROL_MARGIN, TOLERANCE, passes
 
 pytestmark = pytest.mark.gpu
 #: The 24K/64K-token states, served with --max-model-len LONG_MAX_MODEL_LEN.
