@@ -19,7 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from vllm_d3.testing import tiny_checkpoint
-from vllm_d3.testing.tiny_checkpoint import main, write_tiny_checkpoint
+from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
+from vllm_d3.testing.tiny_checkpoint.__main__ import main
 
 SYSTEM = "You are a decision engine."
 ASSISTANT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
