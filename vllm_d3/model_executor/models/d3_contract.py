@@ -14,6 +14,8 @@ config hook (start-up), the read strategy (API server) and the worker:
 - ``state_once_of``: the ``d3_state_once`` switch of ``--additional-config``.
 - ``question_ends_of``: the ``d3_question_ends`` of a packed request (the state
   read once, then several question blocks), or the one question of any other.
+- ``StateBlock``: one request's state size and question block ends, with the
+  blocks and ranges they give (the worker's one home for that rule).
 
 Every malformed value raises ``ValueError`` naming the field and the value; nothing
 is ignored or clamped.
@@ -197,3 +199,27 @@ def state_once_of(additional_config: Any) -> bool:
             f"--additional-config {STATE_ONCE_KEY} must be true or false, not {value!r}"
         )
     return value
+
+
+@dataclass(frozen=True)
+class StateBlock:
+    """A request's state block size and where its question blocks end
+    (``question_ends_of``)."""
+
+    state_tokens: int
+    prompt_len: int
+    question_ends: tuple[int, ...]
+
+    @property
+    def packed(self) -> bool:
+        return len(self.question_ends) > 1
+
+    def question_blocks(self) -> list[tuple[int, int]]:
+        """Each question block as ``[start, end)`` (none: all state)."""
+        starts = (self.state_tokens, *self.question_ends)
+        return list(zip(starts, self.question_ends, strict=False))
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The state range, then one per question block, ends inclusive."""
+        blocks = [(0, self.state_tokens), *self.question_blocks()]
+        return [(start, end - 1) for start, end in blocks]

@@ -46,20 +46,17 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionMetadataBuilder,
 )
 
+from vllm_d3.model_executor.models.d3_contract import StateBlock
+
 
 @dataclass(frozen=True)
 class PackedRow:
-    """A packed row of the batch: where its tokens start, its state size and
-    where each of its question blocks ends (prompt offsets)."""
+    """A packed row of the batch: its row, where its tokens start, and its
+    request's state and question blocks (prompt offsets)."""
 
     row: int
     token_start: int
-    state_tokens: int
-    question_ends: tuple[int, ...]
-
-    def question_lens(self) -> list[int]:
-        ends = np.asarray(self.question_ends)
-        return np.diff(ends, prepend=self.state_tokens).tolist()
+    block: StateBlock
 
 
 @dataclass(frozen=True)
@@ -129,15 +126,14 @@ def step_phases(
     question_rows: list[int] = []
     question_tokens: list[np.ndarray] = []
     for p in packed:
-        lens_a[p.row] = p.state_tokens
-        lens = p.question_lens()
+        s = p.block.state_tokens
+        lens_a[p.row] = s
+        lens = [end - start for start, end in p.block.question_blocks()]
         question_lens.extend(lens)
-        restart_from.extend([p.state_tokens] * len(lens))
+        restart_from.extend([s] * len(lens))
         question_rows.extend([p.row] * len(lens))
         question_tokens.append(
-            np.arange(
-                p.token_start + p.state_tokens, p.token_start + p.question_ends[-1]
-            )
+            np.arange(p.token_start + s, p.token_start + p.block.prompt_len)
         )
     starts = query_start_loc[:-1]
     state_tokens = np.concatenate(

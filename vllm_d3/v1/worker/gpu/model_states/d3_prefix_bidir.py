@@ -36,7 +36,7 @@ spec-decode counters) is kept as it is. On top of it:
   from the state (``model_executor/layers/mamba/gdn``).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,7 @@ from vllm_d3.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     step_phases,
 )
 from vllm_d3.model_executor.models.d3_contract import (
+    StateBlock,
     question_ends_of,
     state_tokens_of,
 )
@@ -65,29 +66,6 @@ PrefixRanges = dict[int, list[tuple[int, int]]]
 #: How vLLM 0.33.0 names the dummy requests of its kernel warm-up
 #: (``v1/worker/gpu/warmup.py``: ``req_ids = [f"_warmup_{i}_" ...]``).
 WARMUP_REQUEST_PREFIX = "_warmup_"
-
-
-@dataclass(frozen=True)
-class StateBlock:
-    """A request's state block size and where its question blocks end."""
-
-    state_tokens: int
-    prompt_len: int
-    question_ends: tuple[int, ...]
-
-    @property
-    def packed(self) -> bool:
-        return len(self.question_ends) > 1
-
-    def question_blocks(self) -> list[tuple[int, int]]:
-        """Each question block as ``[start, end)`` (none: all state)."""
-        starts = (self.state_tokens, *self.question_ends)
-        return list(zip(starts, self.question_ends, strict=False))
-
-    def ranges(self) -> list[tuple[int, int]]:
-        """The state range, then one per question block, ends inclusive."""
-        blocks = [(0, self.state_tokens), *self.question_blocks()]
-        return [(start, end - 1) for start, end in blocks]
 
 
 class _RangedAttentionGroup:
@@ -181,11 +159,7 @@ class D3PrefixBidirModelState(MambaHybridModelState):
                 continue
             # Chunked prefill is off for prefix_bidir: a prompt runs whole.
             assert starts[row + 1] - starts[row] == block.prompt_len
-            rows.append(
-                PackedRow(
-                    row, int(starts[row]), block.state_tokens, block.question_ends
-                )
-            )
+            rows.append(PackedRow(row, int(starts[row]), block))
         return rows
 
     def prepare_attn(
