@@ -46,7 +46,10 @@ from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.utils import AttentionGroup
 
 from vllm_d3.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    PackedRow,
+    packed_gdn_metadata,
     restart_questions_from_state,
+    step_phases,
 )
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3PrefixBidirAttentionBackend,
@@ -622,3 +625,30 @@ def test_a_packed_request_is_read_out_once_per_question(state):
     assert len(out) == 2
     assert torch.allclose(out[0].float(), readout[0])
     assert torch.allclose(out[1].float(), readout[1:].reshape(-1))
+
+
+def test_each_gdn_group_restarts_from_its_own_slots(state):
+    # Two Gated DeltaNet groups (their own state slots, one builder each): the
+    # phases are built once and phase A re-gathered per group.
+    model_state, config = state
+    model_state.add_request(0, new_request("p", 20, PACKED))
+    model_state.add_request(1, new_request("a", 10, {"d3_state_tokens": 4}))
+    _, scan, _ = hybrid_metadata(state, ["a", "p"], [10, 20], [3, 5])
+    _, _, groups, _ = hybrid_groups(config)
+    builder = groups[1].get_metadata_builder(0)
+    phases = step_phases(
+        np.array([0, 10, 30]),
+        np.array([10, 20]),
+        [PackedRow(1, 10, model_state.state_blocks["p"])],
+        CPU,
+    )
+    tables = [torch.tensor([[3], [5]]), torch.tensor([[6], [2]])]
+    first, second = packed_gdn_metadata(
+        [(scan, builder, table.int()) for table in tables], phases
+    )
+    assert first.phase_a.non_spec_state_indices_tensor.tolist() == [3, 5]
+    assert second.phase_a.non_spec_state_indices_tensor.tolist() == [6, 2]
+    assert second.phase_a.non_spec_query_start_loc.tolist() == [0, 10, 15]
+    assert first.question_slots.tolist() == [5, 5, 5]
+    assert second.question_slots.tolist() == [2, 2, 2]
+    assert first.phase_b is second.phase_b

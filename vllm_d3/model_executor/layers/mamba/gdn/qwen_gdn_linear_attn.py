@@ -8,8 +8,8 @@ each question block must see the recurrent and convolution state the layer had
 after exactly ``s`` tokens, as in its own prompt ``state || qi``. One causal scan
 over the packed row would instead run question ``i`` on from question ``i - 1``.
 
-``packed_gdn_metadata`` builds, with the step's own GDN metadata builder, the two
-phases of a step that holds packed rows:
+``step_phases`` and ``packed_gdn_metadata`` build, with the step's own GDN
+metadata builders, the two phases of a step that holds packed rows:
 
 - phase A: every token except the packed rows' question blocks (other requests
   whole, each packed row's state), as 0.33.0 would scan them; each packed row's
@@ -117,8 +117,8 @@ def step_phases(
     device: torch.device,
 ) -> StepPhases:
     """The phases of a step of ``len(seq_lens)`` fresh prefill rows, whose
-    packed rows are scheduled whole. Phase A's block table is the step's own
-    (set per group by ``packed_gdn_metadata``)."""
+    packed rows are scheduled whole. Phase A's block table is each group's own
+    (set by ``packed_gdn_metadata``)."""
     query_lens = np.diff(query_start_loc).astype(np.int64)
     lens_a = query_lens.copy()
     question_lens: list[int] = []
@@ -160,26 +160,35 @@ def step_phases(
 
 
 def packed_gdn_metadata(
-    metadata: GDNAttentionMetadata,
-    builder: GDNAttentionMetadataBuilder,
-    block_table: torch.Tensor,
+    groups: Sequence[
+        tuple[GDNAttentionMetadata, GDNAttentionMetadataBuilder, torch.Tensor]
+    ],
     phases: StepPhases,
-) -> PackedGDNAttentionMetadata:
-    """``metadata`` (one KV-cache group's, for the whole step) with the phases
-    built by the group's own builder over its block table."""
+) -> list[PackedGDNAttentionMetadata]:
+    """Each KV-cache group's step metadata (``groups``: the metadata, its
+    builder and its block table) with the packed phases. Both phases are built
+    once, by the first group's builder; phase A is then re-gathered for each
+    group's state slots, as vLLM does for its own groups
+    (``update_block_table``); phase B reads scratch slots, the same for all."""
     num_reqs = phases.phase_a.num_reqs
-    phase_a = builder.build(
-        0, phases.phase_a.replace(block_table_tensor=block_table[:num_reqs])
+    _, first_builder, first_table = groups[0]
+    phase_a = first_builder.build(
+        0, phases.phase_a.replace(block_table_tensor=first_table[:num_reqs])
     )
-    phase_b = builder.build(0, phases.phase_b)
-    return PackedGDNAttentionMetadata(
-        **{f.name: getattr(metadata, f.name) for f in fields(GDNAttentionMetadata)},
-        phase_a=phase_a,
-        phase_b=phase_b,
-        question_slots=block_table[phases.question_rows, 0].long(),
-        state_tokens=phases.state_tokens,
-        question_tokens=phases.question_tokens,
-    )
+    phase_b = first_builder.build(0, phases.phase_b)
+    return [
+        PackedGDNAttentionMetadata(
+            **{f.name: getattr(metadata, f.name) for f in fields(GDNAttentionMetadata)},
+            phase_a=builder.update_block_table(
+                phase_a, block_table[:num_reqs], phases.phase_a.slot_mapping
+            ),
+            phase_b=phase_b,
+            question_slots=block_table[phases.question_rows, 0].long(),
+            state_tokens=phases.state_tokens,
+            question_tokens=phases.question_tokens,
+        )
+        for metadata, builder, block_table in groups
+    ]
 
 
 def _scratch(state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

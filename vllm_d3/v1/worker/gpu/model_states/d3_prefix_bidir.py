@@ -219,6 +219,7 @@ class D3PrefixBidirModelState(MambaHybridModelState):
             packed,
             input_batch.query_start_loc.device,
         )
+        gdn_groups = []
         for group_id, groups in enumerate(attn_groups):
             for group in groups:
                 if not isinstance(group.kv_cache_spec, MambaSpec):
@@ -229,11 +230,14 @@ class D3PrefixBidirModelState(MambaHybridModelState):
                         "a packed D3 request needs Gated DeltaNet state layers, "
                         f"not {type(builder).__name__}"
                     )
-                metadata = packed_gdn_metadata(
-                    attn_metadata[group.layer_names[0]],
-                    builder,
-                    block_tables[group_id],
-                    phases,
-                )
-                for name in group.layer_names:
-                    attn_metadata[name] = metadata
+                gdn_groups.append((group, builder, block_tables[group_id]))
+        packed_metadata = packed_gdn_metadata(
+            [
+                (attn_metadata[group.layer_names[0]], builder, block_table)
+                for group, builder, block_table in gdn_groups
+            ],
+            phases,
+        )
+        for (group, _, _), metadata in zip(gdn_groups, packed_metadata, strict=True):
+            for name in group.layer_names:
+                attn_metadata[name] = metadata
