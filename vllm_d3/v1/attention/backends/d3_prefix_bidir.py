@@ -403,15 +403,17 @@ class D3DenseFlashAttentionImpl(FlashAttentionImpl):
                 ("ALiBi", self.alibi_slopes is not None),
                 ("a logit soft cap", bool(self.logits_soft_cap)),
                 ("decode context parallelism", self.dcp_world_size > 1),
-                ("fused output quantization", output_scale is not None),
-                ("fused output quantization", output_block_scale is not None),
+                (
+                    "fused output quantization",
+                    output_scale is not None or output_block_scale is not None,
+                ),
             )
             if present
         ]
         if unsupported:
             raise PackedRowError(
                 "a packed D3 request (the state read once for several questions) "
-                f"cannot run with {', '.join(sorted(set(unsupported)))}; serve "
+                f"cannot run with {', '.join(unsupported)}; serve "
                 "with one request per question instead (docs/README: the state-"
                 "once switch)"
             )
