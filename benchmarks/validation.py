@@ -12,7 +12,11 @@ long states):
   and whole-prompt-bidirectional masks for the controls;
 - in process: ``LLM.classify`` with each prompt's state size in ``PoolingParams``
   (text sets), and the same prompts with the state size withheld, i.e. sent as
-  one block covering the whole prompt (negative control);
+  one block covering the whole prompt (negative control); every short text
+  request packed (``packed_prompt``: its state once, then its questions), all
+  sent at once so that packs of different states and question counts share a
+  step, against the one-prompt-per-question answers, and the same packs with
+  each second question's block joined to the one before (negative control);
 - over HTTP: ``vllm serve`` on loopback, ``POST /v1/systemone`` for every set,
   the /classify list form (two inputs, one size each), bad inputs that must be
   4xx, and a valid request after them; and the same on a second server that
@@ -48,7 +52,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from vllm_d3.model_executor.models.d3_contract import STATE_ONCE_KEY
+from vllm_d3.model_executor.models.d3_contract import (
+    QUESTION_ENDS_KEY,
+    STATE_ONCE_KEY,
+    STATE_TOKENS_KEY,
+)
 from vllm_d3.testing.compare import (
     CONTROL_MARGIN,
     STATE_ONCE_TOLERANCE,
@@ -209,6 +217,29 @@ def _answer_from_logits(
     return {"type": kind, "probabilities": dict(zip(names, probs, strict=True))}
 
 
+def packed_prompt(
+    questions: list[Any], merge_pairs: bool = False
+) -> tuple[list[int], dict[str, Any], list[int]]:
+    """A request's rendered questions as one prompt ``state || q1 || ... || qQ``:
+    its token ids, its ``extra_kwargs`` and the indexes of the questions read
+    out. ``merge_pairs`` is the negative control: each second question's block
+    is joined to the one before, so that question reads the other's tokens
+    (and the last question of an odd count stands alone)."""
+    s = questions[0].state_tokens
+    ids = list(questions[0].token_ids[:s])
+    ends = []
+    for q in questions:
+        if q.state_tokens != s or q.token_ids[:s] != ids[:s]:
+            raise ValueError("the questions of a request do not share their state")
+        ids += q.token_ids[s:]
+        ends.append(len(ids))
+    read = list(range(len(questions)))
+    if merge_pairs:
+        read = [i for i in read if i % 2 == 1 or i == len(questions) - 1]
+    extra = {STATE_TOKENS_KEY: s, QUESTION_ENDS_KEY: [ends[i] for i in read]}
+    return ids, extra, read
+
+
 def run_inprocess(
     checkpoint: str,
     sets_file: str,
@@ -217,7 +248,9 @@ def run_inprocess(
     engine_args: dict[str, Any],
 ) -> None:
     """LLM.classify over the reference-rendered prompts of every text set, with
-    and without (one whole-prompt block) the state sizes."""
+    and without (one whole-prompt block) the state sizes. On a prefix_bidir
+    checkpoint also every short set's requests packed (``packed_prompt``), all
+    sent at once, and the same with question pairs merged (the control)."""
     from vllm import LLM, PoolingParams
     from vllm.inputs import TokensPrompt
 
@@ -244,10 +277,20 @@ def run_inprocess(
     log(f"in-process LLM up in {time.time() - started:.0f}s")
     results: dict[str, Any] = {}
     variants = ("served", "one block") if prefix_bidir else ("served",)
+
+    def temperature_of(questions: int) -> float:
+        if schedule:
+            return schedule.temperature_for(questions)
+        return decision.get("temperature", 1.0)
+
+    # (set name, request, its rendered questions) of every short text set.
+    packable: list[tuple[str, dict, list]] = []
     for name, requests in sets.items():
         if any(r.get("images") or r.get("videos") for r in requests):
             continue
         rendered = [renderer.render(r) for r in requests]
+        if prefix_bidir and not name.startswith(LONG_SETS):
+            packable += zip([name] * len(requests), requests, rendered, strict=True)
         prompts = [
             TokensPrompt(prompt_token_ids=q.token_ids) for qs in rendered for q in qs
         ]
@@ -270,12 +313,7 @@ def run_inprocess(
             outputs = iter(llm.classify(prompts, pooling_params=params, use_tqdm=False))
             responses = []
             for request, questions in zip(requests, rendered, strict=True):
-                n = len(questions)
-                temperature = (
-                    schedule.temperature_for(n)
-                    if schedule
-                    else decision.get("temperature", 1.0)
-                )
+                temperature = temperature_of(len(questions))
                 answers = {
                     q.qid: _answer_from_logits(
                         request["questions"][q.qid],
@@ -287,6 +325,48 @@ def run_inprocess(
                 responses.append({"answers": answers})
             results.setdefault(variant, {})[name] = responses
         log(f"in-process: {name}")
+    for variant, merge_pairs in (("packed", False), ("packed, pairs merged", True)):
+        packs = [packed_prompt(questions, merge_pairs) for _, _, questions in packable]
+        if not packs:
+            break
+        # Every pack goes to the engine at once: vLLM's scheduler (no chunked
+        # prefill) takes as many as one step's token budget holds.
+        outputs = iter(
+            llm.classify(
+                [TokensPrompt(prompt_token_ids=ids) for ids, _, _ in packs],
+                pooling_params=[
+                    PoolingParams(task="classify", use_activation=False, extra_kwargs=x)
+                    for _, x, _ in packs
+                ],
+                use_tqdm=False,
+            )
+        )
+        for (name, request, questions), (_, _, read) in zip(
+            packable, packs, strict=True
+        ):
+            # One readout per question read, its codes one after the other.
+            logits = next(outputs).outputs.probs
+            width = len(logits) // len(read)
+            answers = {
+                questions[i].qid: _answer_from_logits(
+                    request["questions"][questions[i].qid],
+                    logits[k * width : (k + 1) * width],
+                    temperature_of(len(questions)),
+                )
+                for k, i in enumerate(read)
+            }
+            results.setdefault(variant, {}).setdefault(name, []).append(
+                {"answers": answers}
+            )
+        log(f"in-process: {len(packs)} requests {variant}")
+    if packable:
+        scheduler = llm.llm_engine.vllm_config.scheduler_config
+        results["packed_batch"] = {
+            "prompts": len(packable),
+            "tokens": sum(len(packed_prompt(q)[0]) for _, _, q in packable),
+            "question_counts": sorted({len(q) for _, _, q in packable}),
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        }
     Path(out_file).write_text(json.dumps(results))
 
 
@@ -439,6 +519,17 @@ def run_http(
         }
 
 
+def same_questions(against: dict, got: dict) -> dict:
+    """``against``'s responses cut to the questions ``got`` answers."""
+    return {
+        name: [
+            {"answers": {qid: a["answers"][qid] for qid in g["answers"]}}
+            for a, g in zip(against[name], got[name], strict=True)
+        ]
+        for name in got
+    }
+
+
 def prefix_caching_refused(checkpoint: str, work: Path) -> dict:
     with Server(
         checkpoint, "--enable-prefix-caching", log_file=work / "serve-pc.log"
@@ -465,7 +556,7 @@ def verdict_of(table: str) -> tuple[str, Callable[[dict], bool]]:
     paths within ``STATE_ONCE_TOLERANCE``; everything else ``passes``."""
     if table.startswith("control"):
         return "clearly wrong", clearly_wrong
-    if table == STATE_ONCE_TABLE:
+    if table in (STATE_ONCE_TABLE, PACKED_TABLE):
         return "meets", functools.partial(passes, tolerance=STATE_ONCE_TOLERANCE)
     return "meets", passes
 
@@ -511,11 +602,17 @@ HTTP_TABLE = "prefix_bidir, HTTP /v1/systemone"
 STATE_ONCE_TABLE = "state once vs one request per question, HTTP"
 PER_QUESTION_ARGS = {"additional_config": json.dumps({STATE_ONCE_KEY: False})}
 INPROCESS_TABLE = "prefix_bidir, in process (LLM.classify)"
+#: Every short text request packed (its state read once), all sent at once,
+#: against the same engine's one prompt per question.
+PACKED_TABLE = "state once, packed requests batched together, in process"
+#: Packed with each second question's block joined to the one before.
+MERGED_CONTROL = "control: packed, each second question reads the one before"
 CAUSAL_CONTROL = "control: served vs reference causal mask"
 BIDIR_CONTROL = "control: served vs reference whole-prompt bidirectional"
 ONE_BLOCK_CONTROL = "control: state size withheld (one block), in process"
 OTHER_MODE_TABLES = {mode: f"{mode} checkpoint, in process" for mode in OTHER_MODES}
 SERVED_TABLES = (INPROCESS_TABLE, HTTP_TABLE, *OTHER_MODE_TABLES.values())
+#: Controls of a mask; ``MERGED_CONTROL`` is one of the packing.
 CONTROL_TABLES = (ONE_BLOCK_CONTROL, CAUSAL_CONTROL, BIDIR_CONTROL)
 #: Every table a complete run produces, in the report's order.
 EXPECTED_TABLES = (
@@ -525,6 +622,8 @@ EXPECTED_TABLES = (
     BIDIR_CONTROL,
     INPROCESS_TABLE,
     ONE_BLOCK_CONTROL,
+    PACKED_TABLE,
+    MERGED_CONTROL,
     *OTHER_MODE_TABLES.values(),
     GPU_CHECK_TABLE,
 )
@@ -559,6 +658,15 @@ def report(results: dict, command: str) -> str:
         lines += ["## Failures", ""]
         lines += [f"- {title}: {error}" for title, error in failures.items()]
         lines += [""]
+    batch = results.get("packed_batch")
+    if batch:
+        lines += [
+            f"Packed in process: {batch['prompts']} requests of "
+            f"{', '.join(map(str, batch['question_counts']))} questions, "
+            f"{batch['tokens']} tokens in all, sent at once to an engine whose "
+            f"step holds {batch['max_num_batched_tokens']} tokens.",
+            "",
+        ]
     http = results.get("http")
     if http:
         lines += [
@@ -695,6 +803,12 @@ def run(
     answers["in process"] = served
     tables[INPROCESS_TABLE] = table(ref, served["served"], text_sets)
     tables[ONE_BLOCK_CONTROL] = table(ref, served["one block"], short_text)
+    results["packed_batch"] = served["packed_batch"]
+    tables[PACKED_TABLE] = table(served["served"], served["packed"], short_text)
+    merged = served["packed, pairs merged"]
+    tables[MERGED_CONTROL] = table(
+        same_questions(served["served"], merged), merged, short_text
+    )
     save()
 
     def served_table(title: str, key: str, job: InProcess, against: dict) -> None:

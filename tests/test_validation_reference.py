@@ -93,3 +93,39 @@ def test_a_server_that_exits_names_its_log_and_error(tmp_path) -> None:
     assert str(log_file) in message
     assert message.split("): ", 1)[1].split(":", 1)[0].endswith("Error")
     assert "Traceback" in log_file.read_text()
+
+
+def test_a_packed_prompt_holds_each_question_prompt_after_one_state(
+    make_checkpoint,
+) -> None:
+    request = {
+        **REQUEST,
+        "questions": {
+            **REQUEST["questions"],
+            "urgent": {"type": "noul", "instructions": "Is it urgent?"},
+        },
+    }
+    questions = ReferenceRuntime(make_checkpoint()).render(request)
+    ids, extra, read = validation.packed_prompt(questions)
+    s = extra["d3_state_tokens"]
+    assert read == [0, 1, 2] and extra["d3_question_ends"][-1] == len(ids)
+    starts = [s, *extra["d3_question_ends"][:-1]]
+    ends = extra["d3_question_ends"]
+    for q, start, end in zip(questions, starts, ends, strict=True):
+        # The state, then the question's own block: its one-question prompt.
+        assert ids[:s] + ids[start:end] == q.token_ids
+    # The control: the second question's block also holds the first's; the
+    # third stands alone.
+    merged_ids, merged, read = validation.packed_prompt(questions, merge_pairs=True)
+    assert merged_ids == ids and read == [1, 2]
+    assert merged["d3_question_ends"] == extra["d3_question_ends"][1:]
+
+
+def test_a_request_whose_questions_differ_in_state_is_not_packed(
+    make_checkpoint,
+) -> None:
+    renderer = ReferenceRuntime(make_checkpoint())
+    first = renderer.render(REQUEST)[0]
+    other = renderer.render({**REQUEST, "state": "Ticket 13: a refund."})[1]
+    with pytest.raises(ValueError, match="do not share their state"):
+        validation.packed_prompt([first, other])

@@ -20,6 +20,8 @@ from benchmarks.validation import (
     GPU_CHECK_TABLE,
     INPROCESS_TABLE,
     LONG_MAX_MODEL_LEN,
+    MERGED_CONTROL,
+    PACKED_TABLE,
     SERVED_TABLES,
     STATE_ONCE_TABLE,
     VALIDATED_LENGTH,
@@ -60,6 +62,23 @@ def test_state_once_answers_as_one_request_per_question(results):
     table = results["tables"][STATE_ONCE_TABLE]
     failing = {name: stats for name, stats in table.items() if not meets(stats)}
     assert not failing
+
+
+def test_packs_of_different_requests_in_one_step_answer_as_per_question(results):
+    # Packs of different states and question counts, sent at once, fit one
+    # step's token budget: vLLM's scheduler (no chunked prefill) batched them.
+    batch = results["packed_batch"]
+    assert batch["prompts"] >= 2 and len(batch["question_counts"]) >= 2
+    assert batch["tokens"] <= batch["max_num_batched_tokens"]
+    _, meets = verdict_of(PACKED_TABLE)
+    table = results["tables"][PACKED_TABLE]
+    failing = {name: stats for name, stats in table.items() if not meets(stats)}
+    assert not failing
+
+
+def test_a_question_that_reads_another_is_clearly_wrong(results):
+    stats = results["tables"][MERGED_CONTROL].values()
+    assert max(s["max_dp"] for s in stats) > CONTROL_MARGIN * TOLERANCE
 
 
 def test_the_reference_agrees_with_itself_on_cpu_and_gpu(results):
