@@ -375,10 +375,10 @@ class SystemOneBodyMiddleware:
             logger.info("%s refused (%d): %s", ROUTE, e.status, e)
             return await e.response()(scope, receive, send)
         logger.debug(
-            "%s: a %s %s body, %d bytes of JSON",
+            "%s: a %s body (%s) became %d bytes of JSON",
             ROUTE,
-            encoding,
             FORM if is_form else "JSON",
+            encoding,
             len(body),
         )
         scope = {**scope, "headers": list(scope["headers"])}
