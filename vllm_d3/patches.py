@@ -22,17 +22,20 @@ are no-ops unless the served model is a D3 ``prefix_bidir`` checkpoint.
    (a 400 online) naming the field, so no request ever runs with a silent single
    block and a bad request never reaches the engine core.
 3. ``init_entrypoints_middleware`` as ``entrypoints/launchers/app.py`` names it
-   (vLLM 0.33.0 ``:10`` imports it, ``build_app`` calls it by that module-level
-   name at ``:54``): ``/v1/systemone`` (``generate/structured_decisions/
-   api_router.py:33-56``) reads its body as a pydantic parameter behind
-   ``Depends(validate_json_request)`` (``serve/utils/api_utils.py:309-315``),
-   which refuses every content type but ``application/json``; a compressed body
-   fails to parse. The wrapper adds ``SystemOneBodyMiddleware``
-   (``entrypoints/serve/middleware/systemone_body.py``), which hands the route
-   plain JSON, before vLLM's own middleware, so that those (CORS, the API key)
-   wrap it. ``--middleware`` is a CLI option read at ``register.py:65``, not a
-   plugin hook, and ``vllm.endpoint_plugins`` load only when named in
-   ``VLLM_PLUGINS`` (``plugins/__init__.py:122-131``).
+   (vLLM 0.33.0 ``:10`` imports it; ``build_app`` calls it by that module-level
+   name at ``:54``, after the API server loaded the plugins:
+   ``launchers/api_server/entry.py:52`` builds ``AsyncEngineArgs``, whose
+   ``__post_init__`` loads them, ``engine/arg_utils.py:931``). ``/v1/systemone``
+   (``generate/structured_decisions/api_router.py:33-56``) reads its body as a
+   pydantic parameter behind ``Depends(validate_json_request)``
+   (``serve/utils/api_utils.py:309-315``), which refuses every content type but
+   ``application/json``; a compressed body fails to parse. The wrapper adds
+   ``SystemOneBodyMiddleware`` (``entrypoints/serve/middleware/systemone_body.py``),
+   which hands the route plain JSON, ahead of vLLM's own middleware, so that
+   those (CORS, the API key) wrap it. ``--middleware`` is a CLI option
+   (``serve/middleware/register.py:65``), not a plugin hook, and
+   ``vllm.endpoint_plugins`` load only when named in ``VLLM_PLUGINS``
+   (``plugins/__init__.py:122-131``).
 """
 
 from argparse import Namespace
