@@ -1,4 +1,5 @@
-"""The plugin entry point and the two patches, on vLLM's real front-end classes.
+"""The plugin entry point and the pooling and input patches, on vLLM's real
+front-end classes (the /v1/systemone body patch: ``test_systemone_body.py``).
 
 The /classify tests run vLLM's own ``ServingClassification`` (context, renderer,
 request fan-out, response) over an engine client that, as ``AsyncLLM.encode``
@@ -62,6 +63,7 @@ def test_vllm_loads_the_plugin_once_per_process():
     logs = done.stdout + done.stderr
     assert logs.count("vllm-d3 installed its D3 hooks") == 1
     assert "patch vllm.v1.engine.input_processor.InputProcessor.process_inputs" in logs
+    assert "patch vllm.entrypoints.launchers.app.init_entrypoints_middleware" in logs
     assert "strategy vllm_d3.entrypoints.openai.decisions.strategies" in logs
     assert "config vllm_d3.model_executor.models.config" in logs
     assert "model vllm_d3.model_executor.models.d3" in logs

@@ -13,7 +13,7 @@ subprocess). It is idempotent and installs, through vLLM's registries:
 - the attention backend registry: ``AttentionBackendEnum.CUSTOM`` ->
   ``D3PrefixBidirAttentionBackend`` (dense pieces on FlashAttention 3), unless
   another plugin registered ``CUSTOM`` first
-- the two monkeypatches of ``vllm_d3.patches``
+- the three monkeypatches of ``vllm_d3.patches``
 
 and logs once per process, at INFO, what it installed. It refuses, before
 installing anything, a vLLM other than ``SUPPORTED_VLLM``.x: the hooks reach

@@ -1,5 +1,5 @@
-"""The only two monkeypatches of vllm-d3. Both are no-ops unless the served model is
-a D3 ``prefix_bidir`` checkpoint, and ``apply`` is idempotent.
+"""The only three monkeypatches of vllm-d3; ``apply`` is idempotent. The first two
+are no-ops unless the served model is a D3 ``prefix_bidir`` checkpoint.
 
 1. ``PoolingIOProcessor.create_pooling_params``
    (vLLM 0.33.0 ``entrypoints/pooling/base/io_processor.py:77-78``): the online
@@ -21,18 +21,40 @@ a D3 ``prefix_bidir`` checkpoint, and ``apply`` is idempotent.
    packed request's question blocks) is invalid, with a ``VLLMValidationError``
    (a 400 online) naming the field, so no request ever runs with a silent single
    block and a bad request never reaches the engine core.
+3. ``init_entrypoints_middleware`` as ``entrypoints/launchers/app.py`` names it
+   (vLLM 0.33.0 ``:10`` imports it; ``build_app`` calls it by that module-level
+   name at ``:54``, after the API server loaded the plugins:
+   ``launchers/api_server/entry.py:52`` builds ``AsyncEngineArgs``, whose
+   ``__post_init__`` loads them, ``engine/arg_utils.py:931``). ``/v1/systemone``
+   (``generate/structured_decisions/api_router.py:33-56``) reads its body as a
+   pydantic parameter behind ``Depends(validate_json_request)``
+   (``serve/utils/api_utils.py:309-315``), which refuses every content type but
+   ``application/json``; a compressed body fails to parse. The wrapper adds
+   ``SystemOneBodyMiddleware`` (``entrypoints/serve/middleware/systemone_body.py``),
+   which hands the route plain JSON, ahead of vLLM's own middleware, so that
+   those (CORS, the API key) wrap it. ``--middleware`` is a CLI option
+   (``serve/middleware/register.py:65``), not a plugin hook, and
+   ``vllm.endpoint_plugins`` load only when named in ``VLLM_PLUGINS``
+   (``plugins/__init__.py:122-131``).
 """
 
+from argparse import Namespace
 from collections.abc import Callable
 from functools import wraps
+from types import ModuleType
 from typing import Any
 
+import vllm.entrypoints.launchers.app as launchers_app
+from fastapi import FastAPI
 from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
 from vllm.entrypoints.pooling.typing import PoolingCompletionLikeRequest
 from vllm.exceptions import VLLMValidationError
 from vllm.renderers.inputs.preprocess import prompt_to_seq
 from vllm.v1.engine.input_processor import InputProcessor
 
+from .entrypoints.serve.middleware.systemone_body import (
+    add_systemone_body_middleware,
+)
 from .model_executor.models.d3_contract import (
     QUESTION_ENDS_KEY,
     STATE_ONCE_KEY,
@@ -128,15 +150,34 @@ def _wrap_process_inputs(original: Callable) -> Callable:
     return process_inputs
 
 
+def _wrap_init_entrypoints_middleware(original: Callable) -> Callable:
+    @wraps(original)
+    def init_entrypoints_middleware(
+        args: Namespace, app: FastAPI, supported_tasks: tuple[Any, ...]
+    ) -> None:
+        # Added first, so that the middleware vLLM adds next wraps it.
+        add_systemone_body_middleware(app)
+        original(args, app, supported_tasks)
+
+    return init_entrypoints_middleware
+
+
 #: (owner, attribute, wrapper factory) of each patch.
-PATCHES: tuple[tuple[type, str, Callable[[Callable], Callable]], ...] = (
+PATCHES: tuple[tuple[type | ModuleType, str, Callable[[Callable], Callable]], ...] = (
     (PoolingIOProcessor, "create_pooling_params", _wrap_create_pooling_params),
     (InputProcessor, "process_inputs", _wrap_process_inputs),
+    (launchers_app, "init_entrypoints_middleware", _wrap_init_entrypoints_middleware),
 )
 
 
-def is_applied(owner: type, name: str) -> bool:
+def is_applied(owner: type | ModuleType, name: str) -> bool:
     return getattr(getattr(owner, name), _MARK, False)
+
+
+def _qualified_name(owner: type | ModuleType, name: str) -> str:
+    if isinstance(owner, ModuleType):
+        return f"{owner.__name__}.{name}"
+    return f"{owner.__module__}.{owner.__qualname__}.{name}"
 
 
 def apply() -> list[str]:
@@ -148,5 +189,5 @@ def apply() -> list[str]:
         patched = wrap(getattr(owner, name))
         setattr(patched, _MARK, True)
         setattr(owner, name, patched)
-        installed.append(f"{owner.__module__}.{owner.__qualname__}.{name}")
+        installed.append(_qualified_name(owner, name))
     return installed
