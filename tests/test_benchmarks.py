@@ -545,3 +545,25 @@ def test_a_run_with_the_per_question_side_alone(smoke, monkeypatch, tmp_path):
     assert row["ratio"] is row["ratio_per_question"] is row["speedup_state_once"]
     assert row["ratio"] is None
     assert results["skipped"] == []
+
+
+def test_packed_step_sends_the_same_questions_three_ways(tmp_path):
+    from benchmarks import packed_step
+    from vllm_d3.model_executor.models.d3_contract import question_ends_of
+
+    state, questions = [5, 6, 7], [[8, 9], [10, 11, 12], [13]]
+    ((packed, extra),) = packed_step.prompts("packed", state, questions)
+    ends = question_ends_of(extra, len(packed), extra["d3_state_tokens"])
+    starts = [len(state), *ends[:-1]]
+    # Each question block of the pack, after the state, is that question's prompt.
+    per_question = packed_step.prompts("per question", state, questions)
+    assert [state + packed[a:b] for a, b in zip(starts, ends, strict=True)] == [
+        ids for ids, _ in per_question
+    ]
+    assert packed_step.prompts("one block", state, questions) == [
+        (packed, {"d3_state_tokens": 3})
+    ]
+    package = packed_step.write_package(tmp_path, 8)
+    text = json.loads((package / "config.json").read_text())["text_config"]
+    assert text["num_hidden_layers"] == 8
+    assert text["layer_types"].count("full_attention") == 2

@@ -1,0 +1,170 @@
+"""Micro-benchmark: a packed request against the same tokens sent as one
+question block and as one prompt per question, in process.
+
+``python -m benchmarks.packed_step --out FILE [--layers 16]
+[--shapes 280x92x4,290x80x16] [--repeats 5] [--profile]``
+
+Contract:
+- A weight-less d3-turbo package is written to a temporary directory and cut
+  to its first ``--layers`` decoder layers (d3-turbo repeats three Gated
+  DeltaNet layers and one full-attention layer, so a multiple of 4 keeps the
+  mix); ``vllm.LLM`` serves it in this process (``load_format="dummy"``, the
+  Triton GDN prefill, the package's max-model-len), its engine core in this
+  process too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+- Each shape ``SxQLxQ`` (state tokens, tokens per question, questions) is sent
+  through ``LLM.classify`` three ways, fresh random token ids each call:
+  ``packed`` (one prompt ``state || q1 || ... || qQ`` with
+  ``d3_question_ends``: the state read once), ``one block`` (the same prompt as
+  a single question block: the same tokens through the single-phase path) and
+  ``per question`` (Q prompts ``state || qi``, one step). Two untimed calls,
+  then the median wall-clock time of ``--repeats``.
+- ``--profile``: torch profiler tables (by total and self CPU time, and by
+  CUDA time) of one ``packed`` and one ``one block`` call of the first shape,
+  written beside ``FILE`` as ``FILE.packed.txt`` and ``FILE.one-block.txt``.
+- Writes ``FILE`` (JSON: the layers and a list of ``{"shape", "way",
+  "median_ms", "samples_ms"}``) and prints a line per shape and way. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_d3.model_executor.models.d3_contract import (
+    QUESTION_ENDS_KEY,
+    STATE_TOKENS_KEY,
+)
+from vllm_d3.testing.server import GDN_PREFILL_BACKEND
+from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
+
+from .validation import VALIDATED_LENGTH
+
+WAYS = ("packed", "one block", "per question")
+#: Token ids drawn for the prompts: ordinary text tokens of the D3 tokenizer.
+TOKEN_IDS = (1000, 50000)
+WARMUP_CALLS = 2
+#: The profiler tables written with --profile, by what they sort on.
+PROFILE_SORTS = ("cpu_time_total", "self_cpu_time_total", "cuda_time_total")
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    state, question, count = (int(part) for part in text.split("x"))
+    return state, question, count
+
+
+def write_package(directory: Path, layers: int) -> Path:
+    """The weight-less d3-turbo package with its first ``layers`` layers."""
+    path = write_tiny_checkpoint(
+        directory / "d3-turbo",
+        shape="d3-turbo",
+        weights=False,
+        validated_length=VALIDATED_LENGTH,
+    )
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    text = config["text_config"]
+    text["num_hidden_layers"] = layers
+    text["layer_types"] = text["layer_types"][:layers]
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+def prompts(
+    way: str, state: list[int], questions: list[list[int]]
+) -> list[tuple[list[int], dict[str, Any]]]:
+    """(token ids, extra_kwargs) of the prompts that send ``way``."""
+    s = len(state)
+    packed = state + [t for q in questions for t in q]
+    if way == "packed":
+        ends = list(itertools.accumulate((len(q) for q in questions), initial=s))
+        return [(packed, {STATE_TOKENS_KEY: s, QUESTION_ENDS_KEY: ends[1:]})]
+    if way == "one block":
+        return [(packed, {STATE_TOKENS_KEY: s})]
+    return [(state + q, {STATE_TOKENS_KEY: s}) for q in questions]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--shapes", default="280x92x4,290x80x16")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    shapes = [_shape(part) for part in args.shapes.split(",") if part]
+    # Before vLLM starts an engine: its core in this process, for the profiler.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, PoolingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as scratch:
+        llm = LLM(
+            model=str(write_package(Path(scratch), args.layers)),
+            load_format="dummy",
+            gdn_prefill_backend=GDN_PREFILL_BACKEND,
+        )
+
+        def call(way: str, shape: tuple[int, int, int]) -> float:
+            state_tokens, question_tokens, count = shape
+            draw = [rng.randrange(*TOKEN_IDS) for _ in range(state_tokens)]
+            questions = [
+                [rng.randrange(*TOKEN_IDS) for _ in range(question_tokens)]
+                for _ in range(count)
+            ]
+            sent = prompts(way, draw, questions)
+            started = time.perf_counter()
+            llm.classify(
+                [TokensPrompt(prompt_token_ids=ids) for ids, _ in sent],
+                pooling_params=[
+                    PoolingParams(task="classify", use_activation=False, extra_kwargs=x)
+                    for _, x in sent
+                ],
+                use_tqdm=False,
+            )
+            return (time.perf_counter() - started) * 1e3
+
+        results = []
+        for shape in shapes:
+            for way in WAYS:
+                for _ in range(WARMUP_CALLS):
+                    call(way, shape)
+                samples = [call(way, shape) for _ in range(args.repeats)]
+                median = statistics.median(samples)
+                results.append(
+                    {
+                        "shape": "x".join(map(str, shape)),
+                        "way": way,
+                        "median_ms": median,
+                        "samples_ms": samples,
+                    }
+                )
+                print(f"{args.layers} layers, {shape}: {way} {median:.1f} ms")
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for way in ("packed", "one block"):
+                with profile(
+                    activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                ) as profiled:
+                    call(way, shapes[0])
+                averages = profiled.key_averages()
+                tables = [
+                    averages.table(sort_by=key, row_limit=40) for key in PROFILE_SORTS
+                ]
+                name = f"{args.out.name}.{way.replace(' ', '-')}.txt"
+                (args.out.parent / name).write_text("\n\n".join(tables))
+    args.out.write_text(json.dumps({"layers": args.layers, "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
