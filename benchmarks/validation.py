@@ -19,7 +19,10 @@ long states):
   each second question's block joined to the one before (negative control);
 - over HTTP: ``vllm serve`` on loopback, ``POST /v1/systemone`` for every set,
   the /classify list form (two inputs, one size each), bad inputs that must be
-  4xx, and a valid request after them; and the same on a second server that
+  4xx, a zstd body that decodes to ``BOMB_BYTES`` (a 413), and a valid request
+  after them; the image sets and the longest text state again from the
+  typesafe-sdk as published (``sdk_answers``: zstd bodies, images as multipart
+  assets); and the same on a second server that
   reads one question per request (``--additional-config
   '{"d3_state_once": false}'``), whose answers the default server's must meet
   within ``STATE_ONCE_TOLERANCE`` (the same engine, the state read once or once
@@ -41,16 +44,21 @@ ones (the long states rely on them); ``results.json`` keeps every answer.
 """
 
 import argparse
+import base64
 import functools
 import json
 import platform
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel
 
 from vllm_d3.model_executor.models.d3_contract import (
     QUESTION_ENDS_KEY,
@@ -78,6 +86,8 @@ from vllm_d3.testing.server import (
 )
 
 LONG_MAX_MODEL_LEN = 131072
+#: What the zstd body sent to check the decompression limit decodes to.
+BOMB_BYTES = 2**30
 PARALLEL_MEMORY = 0.15
 PARALLEL_KV_CACHE_BYTES = 4 * 2**30
 #: d3-turbo declares it (vLLM's max-model-len without a flag); so do the
@@ -506,8 +516,13 @@ def run_http(
                     "message": str(reply.get("error", reply))[:300],
                 }
             )
+        sdk = {name: sdk_answers(server.url, sets[name]) for name in sdk_sets(sets)}
+        log(f"http: the typesafe-sdk on {', '.join(sdk)}")
+        bomb = decompression_bomb_status(server.url)
         status, _ = post(server.url + "/v1/systemone", sets["text, 1 question"][0])
         return {
+            "sdk_answers": sdk,
+            "decompression_bomb": bomb,
             "answers": answers,
             "latency_s": latency,
             "server_up_s": up,
@@ -528,6 +543,77 @@ def same_questions(against: dict, got: dict) -> dict:
         ]
         for name in got
     }
+
+
+class _RouteAnswers(BaseModel):
+    """A /v1/systemone response as the route writes it, read by the SDK."""
+
+    answers: dict[str, dict[str, Any]]
+
+
+def sdk_answers(url: str, requests: list[dict]) -> list[dict]:
+    """The answers to ``requests`` (each a JSON request of text state and
+    image data URLs) sent by the typesafe-sdk as published: zstd bodies from
+    1 KiB, the images as multipart assets placed in the state."""
+    from typesafe_sdk import Image as Asset
+    from typesafe_sdk import RetryPolicy, TypeSafeClient
+
+    answers = []
+    with TypeSafeClient(
+        api_key="unused", base_url=url, retry=RetryPolicy(max_retries=0), timeout=600
+    ) as client:
+        for request in requests:
+            images = [
+                Asset(base64.b64decode(data_url.split(",", 1)[1]))
+                for data_url in request.get("images") or ()
+            ]
+            state = [*images, request["state"]] if images else request["state"]
+            reply = client.system_one(
+                state=state,
+                questions=request["questions"],
+                response_model=_RouteAnswers,
+            )
+            answers.append({"answers": reply.answers})
+    return answers
+
+
+def decompression_bomb_status(url: str) -> int:
+    """The status of a zstd /v1/systemone body that decodes to ``BOMB_BYTES``."""
+    if sys.version_info >= (3, 14):
+        from compression.zstd import ZstdCompressor
+    else:
+        from backports.zstd import ZstdCompressor
+
+    compressor = ZstdCompressor()
+    chunk = bytes(2**20)
+    body = b"".join(compressor.compress(chunk) for _ in range(BOMB_BYTES // 2**20))
+    request = urllib.request.Request(
+        url + "/v1/systemone",
+        body + compressor.flush(),
+        {"Content-Type": "application/json", "Content-Encoding": "zstd"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def sdk_sets(sets: dict[str, list[dict]]) -> list[str]:
+    """The sets the SDK sends (it takes images, not videos): those of images
+    beside a text state, and the other text set whose bodies are the longest
+    (the long states in a full run)."""
+
+    def text_state(name: str) -> bool:
+        return all(
+            isinstance(r["state"], str) and not r.get("videos") for r in sets[name]
+        )
+
+    text = [name for name in sets if text_state(name)]
+    images = [n for n in text if all(r.get("images") for r in sets[n])]
+    plain = [n for n in text if not any(r.get("images") for r in sets[n])]
+    longest = max(plain, key=lambda n: max(len(json.dumps(r)) for r in sets[n]))
+    return [*images, longest]
 
 
 def prefix_caching_refused(checkpoint: str, work: Path) -> dict:
@@ -597,6 +683,8 @@ def versions() -> dict[str, str]:
 # negative controls that must not (``clearly_wrong``), and the reference's own
 # GPU-vs-CPU check.
 HTTP_TABLE = "prefix_bidir, HTTP /v1/systemone"
+#: The same requests sent by the typesafe-sdk (zstd bodies, image assets).
+SDK_TABLE = "prefix_bidir, HTTP /v1/systemone from the typesafe-sdk"
 #: Served answers, state read once, against the same engine's answers with one
 #: request per question (``--additional-config '{"d3_state_once": false}'``).
 STATE_ONCE_TABLE = "state once vs one request per question, HTTP"
@@ -611,12 +699,18 @@ CAUSAL_CONTROL = "control: served vs reference causal mask"
 BIDIR_CONTROL = "control: served vs reference whole-prompt bidirectional"
 ONE_BLOCK_CONTROL = "control: state size withheld (one block), in process"
 OTHER_MODE_TABLES = {mode: f"{mode} checkpoint, in process" for mode in OTHER_MODES}
-SERVED_TABLES = (INPROCESS_TABLE, HTTP_TABLE, *OTHER_MODE_TABLES.values())
+SERVED_TABLES = (
+    INPROCESS_TABLE,
+    HTTP_TABLE,
+    SDK_TABLE,
+    *OTHER_MODE_TABLES.values(),
+)
 #: Controls of a mask; ``MERGED_CONTROL`` is one of the packing.
 CONTROL_TABLES = (ONE_BLOCK_CONTROL, CAUSAL_CONTROL, BIDIR_CONTROL)
 #: Every table a complete run produces, in the report's order.
 EXPECTED_TABLES = (
     HTTP_TABLE,
+    SDK_TABLE,
     STATE_ONCE_TABLE,
     CAUSAL_CONTROL,
     BIDIR_CONTROL,
@@ -694,6 +788,8 @@ def report(results: dict, command: str) -> str:
             ]
         lines += [
             "",
+            f"A zstd body that decodes to {BOMB_BYTES // 2**30} GiB: HTTP "
+            f"{http['decompression_bomb']}.",
             f"A valid request after them: HTTP {http['valid_after_bad_inputs']}.",
             f"Served max_model_len: {http['max_model_len']} ({source}).",
             f"Server start-up: {http['server_up_s']:.0f} s.",
@@ -791,8 +887,12 @@ def run(
             "serve-per-question.log",
         )
         http, per_question = served_http.result(), per_question_http.result()
-    results["http"] = {k: v for k, v in http.items() if k != "answers"}
+    results["http"] = {
+        k: v for k, v in http.items() if k not in ("answers", "sdk_answers")
+    }
     answers["http"] = http["answers"]
+    answers["http, typesafe-sdk"] = http["sdk_answers"]
+    tables[SDK_TABLE] = table(ref, http["sdk_answers"], http["sdk_answers"])
     answers["http, one request per question"] = per_question["answers"]
     tables[HTTP_TABLE] = table(ref, http["answers"], sets)
     tables[STATE_ONCE_TABLE] = table(per_question["answers"], http["answers"], sets)

@@ -9,6 +9,7 @@ with upstream's ``StructuredDecisionRequest``; images are small PIL images whose
 data URLs are written out here from their bytes.
 """
 
+import asyncio
 import base64
 import gzip
 import inspect
@@ -18,6 +19,7 @@ import tracemalloc
 import zlib
 
 import httpx
+import httpx2
 import pytest
 import vllm.entrypoints.launchers.app as launchers_app
 from backports.zstd import ZstdCompressor
@@ -53,7 +55,13 @@ REQUEST = {
 ANSWER = StructuredDecisionResponse(
     id="decision-req-1",
     model="d3",
-    answers={"damaged": {"noul": 0.25}},
+    answers={
+        "damaged": {
+            "type": "noul",
+            "noul": 0.25,
+            "probabilities": {"yes": 0.25, "no": 0.75},
+        }
+    },
     usage=DecisionUsage(input_tokens=12, output_tokens=2),
     diagnostics={},
 )
@@ -368,6 +376,16 @@ def test_an_image_element_of_a_state_array(client, recorder):
     assert recorder.requests == [with_image("Look at  please", "image/jpeg", jpeg)]
 
 
+def test_a_name_is_a_reference_as_a_whole_element_only(client, recorder):
+    # The SDK writes an image it was given a name for as that name.
+    jpeg = image("JPEG")
+    state = ["A photo: ", "photo", " of the photo."]
+    request = with_assets(state, {"photo": "asset-0"})
+    assert post_form(client, request, {"asset-0": jpeg}).status_code == 200
+    expected_state = "A photo:  of the photo."
+    assert recorder.requests == [with_image(expected_state, "image/jpeg", jpeg)]
+
+
 def test_assets_become_images_in_order_of_reference(client, recorder):
     webp, gif, png = image("WEBP", "blue"), animated_gif(), image("PNG", "green")
     state = ["{a}", "First, ", "<image:1>", "then ", "{b}", "last."]
@@ -450,7 +468,7 @@ PNG = image("PNG")
         (
             with_assets(["{photo}"], {"photo": "asset-0", "other": "asset-1"}),
             {"asset-0": PNG, "asset-1": PNG},
-            "['{other}'] stand nowhere in the state",
+            "['other'] stand nowhere in the state",
         ),
         (
             with_assets(["{photo}"], {"photo": "asset-9"}),
@@ -496,6 +514,16 @@ PNG = image("PNG")
             {"asset-0": PNG},
             '"images" and image assets in one request',
         ),
+        (
+            with_assets(["{a}", "{b}"], {"a": "asset-0", "b": "asset-0"}),
+            {"asset-0": PNG},
+            "assets 'a' and 'b' name the same part 'asset-0'",
+        ),
+        (
+            with_assets(["photo"], {"photo": "asset-0"}, instructions="photo"),
+            {"asset-0": PNG},
+            "instructions uses the asset reference 'photo'",
+        ),
         (None, {"asset-0": PNG}, "has no 'request' part"),
     ],
 )
@@ -517,4 +545,106 @@ def test_a_request_part_that_is_not_a_json_object(client, recorder):
         ROUTE, content=truncated[:-10], headers={"content-type": content_type}
     )
     assert_refused(response, 400, "ends before its closing boundary")
+    assert recorder.requests == []
+
+
+class SeenTransport(httpx2.ASGITransport):
+    """The app in process; keeps each request's encoding and content type."""
+
+    def __init__(self, app) -> None:
+        super().__init__(app=app)
+        self.seen: list[tuple[str | None, str]] = []
+
+    async def handle_async_request(self, request):
+        encoding = request.headers.get("content-encoding")
+        self.seen.append((encoding, request.headers["content-type"].split(";")[0]))
+        return await super().handle_async_request(request)
+
+
+def test_the_typesafe_sdk_as_it_sends_by_default(client, recorder):
+    # The client as published: zstd above 1 KiB, images as multipart assets.
+    from typesafe_sdk import AsyncTypeSafeClient, Noul, RetryPolicy
+    from typesafe_sdk import Image as Asset
+
+    # Noise, so that the form too is over the SDK's 1 KiB compression floor.
+    out = io.BytesIO()
+    Image.effect_noise((64, 64), 64).convert("RGB").save(out, "PNG")
+    png = out.getvalue()
+    photo = Asset(png)
+    questions = {"damaged": Noul(instructions="Is the item damaged?")}
+    long_state = "The parcel arrived with a dent in its left side. " * 40
+    transport = SeenTransport(client.app)
+
+    async def ask() -> None:
+        async with AsyncTypeSafeClient(
+            api_key="key",
+            base_url="http://server",
+            transport=transport,
+            retry=RetryPolicy(max_retries=0),
+        ) as sdk:
+            await sdk.system_one(state=long_state, questions=questions)
+            await sdk.system_one(state=photo, questions=questions)
+            await sdk.system_one(
+                state=["Look at ", photo, " please"],
+                questions=questions,
+                assets={"photo": photo},
+            )
+
+    asyncio.run(ask())
+    assert transport.seen == [
+        ("zstd", "application/json"),
+        ("zstd", "multipart/form-data"),
+        ("zstd", "multipart/form-data"),
+    ]
+    assert [(r.state, r.images) for r in recorder.requests] == [
+        (long_state, None),
+        ("", [data_url("image/png", png)]),
+        ("Look at  please", [data_url("image/png", png)]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def served_url(server):
+    """The app of ``server`` behind uvicorn on loopback, for real HTTP clients."""
+    import threading
+    import time
+
+    import uvicorn
+
+    app = server[0].app
+    # Without the lifespan: it would start the engine client the tests replace.
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"
+    )
+    http_server = uvicorn.Server(config)
+    thread = threading.Thread(target=http_server.run, daemon=True)
+    thread.start()
+    while not http_server.started:
+        time.sleep(0.05)
+    port = http_server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    http_server.should_exit = True
+    thread.join()
+
+
+def test_the_validation_sends_json_requests_through_the_sdk(
+    client, recorder, served_url
+):
+    # benchmarks.validation's SDK side, as it runs on the GPU against vllm serve.
+    from benchmarks.validation import sdk_answers
+
+    png = image("PNG")
+    request = {**REQUEST, "images": [data_url("image/png", png)]}
+    assert sdk_answers(served_url, [request]) == [{"answers": ANSWER.answers}]
+    # What the answers depend on; the SDK sends its own model and request id.
+    sent = expected(images=[data_url("image/png", png)])
+    assert [(r.state, r.questions, r.images) for r in recorder.requests] == [
+        (sent.state, sent.questions, sent.images)
+    ]
+
+
+def test_the_validations_decompression_bomb_is_413(client, recorder, served_url):
+    from benchmarks.validation import decompression_bomb_status
+
+    assert decompression_bomb_status(served_url) == 413
     assert recorder.requests == []

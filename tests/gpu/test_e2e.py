@@ -100,6 +100,7 @@ def test_bad_input_is_refused_and_serving_goes_on(results):
     http = results["http"]
     assert http["classify_list"] == {"status": 200, "results": 2}
     assert all(400 <= b["status"] < 500 for b in http["bad_inputs"]), http["bad_inputs"]
+    assert http["decompression_bomb"] == 413
     assert http["valid_after_bad_inputs"] == 200
 
 

@@ -13,9 +13,11 @@
   naming it.
 - ``multipart/form-data`` (also capped at ``max_body_bytes``): the part
   ``request`` is the JSON request. Its ``assets`` map each asset to a part,
-  ``{KEY: {"type": "image", "part": PART}}``; a key written ``<...>`` (such as
-  ``<image:ID>``) is referenced as itself, any other key ``name`` as
-  ``{name}``. A reference that is the whole state, or a whole element of a
+  ``{KEY: {"type": "image", "part": PART}}``, each part one asset's. An asset
+  is referenced by its key (the SDK writes an image given a name as that name,
+  any other as its ``<image:ID>`` key) or, for a key not written ``<...>``, by
+  ``{KEY}``; a bare name is a reference only as a whole string, since it may
+  also be a word. A reference that is the whole state, or a whole element of a
   state array, becomes the request's next image (a data URL in ``images``, in
   order of reference), and the state becomes the array's other elements, text
   only, concatenated ("" for none). Every other use is a 400 that names it: a
@@ -41,7 +43,7 @@ from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from http import HTTPStatus
 from io import BytesIO
-from typing import Any, TypeGuard
+from typing import Any
 
 from fastapi import FastAPI
 from PIL import Image
@@ -217,15 +219,16 @@ class _FormParts:
         self.ended = True
 
 
-def _is_reference(value: Any, references: Mapping[str, str]) -> TypeGuard[str]:
-    return isinstance(value, str) and value in references
-
-
 def _references(assets: Any, parts: Mapping[str, bytes]) -> dict[str, str]:
-    """Each asset's reference -> its part."""
+    """Each way of writing an asset's reference -> the asset's key.
+
+    The key itself is a reference (the SDK writes an image it was given a name
+    for as that name, and one it was not as its ``<image:ID>`` key); a key not
+    written ``<...>`` may also be written ``{key}``."""
     if not isinstance(assets, dict):
         raise BodyRefused('"assets" must be an object: {KEY: {"type", "part"}}')
     references = {}
+    claimed: dict[str, str] = {}
     for key, asset in assets.items():
         if not (
             isinstance(asset, dict)
@@ -237,16 +240,29 @@ def _references(assets: Any, parts: Mapping[str, bytes]) -> dict[str, str]:
                 f'asset {key!r} must be {{"type": "image", "part": PART}} (images '
                 f"are the only assets taken), not {json.dumps(asset)}"
             )
-        if asset["part"] not in parts:
+        part = asset["part"]
+        if part not in parts:
             raise BodyRefused(
-                f"asset {key!r} names the part {asset['part']!r}, which the body "
-                "does not have"
+                f"asset {key!r} names the part {part!r}, which the body does not have"
             )
-        reference = key if key.startswith("<") and key.endswith(">") else f"{{{key}}}"
-        references[reference] = asset["part"]
-    if orphans := sorted(parts.keys() - set(references.values())):
+        if part in claimed:
+            raise BodyRefused(
+                f"assets {claimed[part]!r} and {key!r} name the same part {part!r}: "
+                "each part is one asset's"
+            )
+        claimed[part] = key
+        references[key] = key
+        if not _delimited(key):
+            references[f"{{{key}}}"] = key
+    if orphans := sorted(parts.keys() - claimed.keys()):
         raise BodyRefused(f"no asset names the part(s) {orphans}")
     return references
+
+
+def _delimited(reference: str) -> bool:
+    """A reference written ``<...>`` or ``{...}``: found inside text too. A
+    bare name is a reference only as a whole string (it may be a word)."""
+    return (reference[:1], reference[-1:]) in (("<", ">"), ("{", "}"))
 
 
 def _uses(
@@ -254,7 +270,11 @@ def _uses(
 ) -> Iterator[tuple[str, str]]:
     """(path, reference) for every string in ``value`` that holds a reference."""
     if isinstance(value, str):
-        yield from ((path, ref) for ref in references if ref in value)
+        yield from (
+            (path, ref)
+            for ref in references
+            if value == ref or (_delimited(ref) and ref in value)
+        )
     elif isinstance(value, list):
         for i, item in enumerate(value):
             yield from _uses(item, references, f"{path}[{i}]")
@@ -266,17 +286,17 @@ def _uses(
 
 
 def _state_images(request: dict[str, Any], references: Mapping[str, str]) -> list[str]:
-    """The parts of the state's images in order; the state becomes its text."""
+    """The keys of the state's images in order; the state becomes its text."""
     state = request.get("state")
     # Where an image goes: the whole state, or whole elements of a state array.
     placed: dict[str, str]
-    if _is_reference(state, references):
+    if isinstance(state, str) and state in references:
         placed = {"state": state}
     elif isinstance(state, list):
         placed = {
             f"state[{i}]": element
             for i, element in enumerate(state)
-            if _is_reference(element, references)
+            if isinstance(element, str) and element in references
         }
     else:
         placed = {}
@@ -286,10 +306,11 @@ def _state_images(request: dict[str, Any], references: Mapping[str, str]) -> lis
                 f"{path} uses the asset reference {ref!r}: a reference can only be "
                 "the whole state or a whole element of the state array"
             )
-    if unused := sorted(references.keys() - set(placed.values())):
+    keys = [references[ref] for ref in placed.values()]
+    if unused := sorted(set(references.values()) - set(keys)):
         raise BodyRefused(
-            f"the asset reference(s) {unused} stand nowhere in the state: an asset "
-            "is the whole state or a whole element of the state array"
+            f"the asset(s) {unused} stand nowhere in the state: an asset is the "
+            "whole state or a whole element of the state array"
         )
     if isinstance(state, list) and placed:
         text = []
@@ -305,7 +326,7 @@ def _state_images(request: dict[str, Any], references: Mapping[str, str]) -> lis
         request["state"] = "".join(text)
     elif placed:
         request["state"] = ""
-    return [references[ref] for ref in placed.values()]
+    return keys
 
 
 def _image_data_url(part: str, data: bytes) -> str:
@@ -332,13 +353,16 @@ def json_of_form(body: bytes, content_type: str) -> bytes:
         raise BodyRefused(f"the {REQUEST_PART!r} part is not JSON: {e}") from e
     if not isinstance(request, dict):
         raise BodyRefused(f"the {REQUEST_PART!r} part is not a JSON object")
-    references = _references(request.pop("assets", {}), parts)
-    if images := _state_images(request, references):
+    assets = request.pop("assets", {})
+    if keys := _state_images(request, _references(assets, parts)):
         if request.get("images"):
             raise BodyRefused(
                 '"images" and image assets in one request: send the images one way'
             )
-        request["images"] = [_image_data_url(part, parts[part]) for part in images]
+        request["images"] = [
+            _image_data_url(assets[key]["part"], parts[assets[key]["part"]])
+            for key in keys
+        ]
     return json.dumps(request).encode()
 
 
