@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.d3 --out DIR [--smoke] [--rows PATTERNS] [--sides SIDES]
 [--repeats N] [--long-repeats N] [--warmup N] [--vllm-long-warmup N]
-[--time-budget SECONDS] ...``
+[--time-budget SECONDS] [--serve-arg=FLAG ...] ...``
 
 Contract:
 - Default (GPU) mode: a weight-less d3-turbo package (the exact Qwen3.5-27B
@@ -161,6 +161,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where the reference runs (cuda when there is CUDA, else cpu)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="a flag for every vllm serve, as one argument "
+        "(--serve-arg=--tensor-parallel-size=2)",
+    )
     args = parser.parse_args(argv)
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     unknown = sorted(set(args.sides) - set(SIDES))
@@ -233,10 +240,15 @@ def _reference_throughput(
 
 
 def server_groups(
-    smoke: bool, sides: list[str], rows: list[Row], loads: list[Load]
+    smoke: bool,
+    sides: list[str],
+    rows: list[Row],
+    loads: list[Load],
+    serve_args: list[str] | None = None,
 ) -> list[tuple[str, str, list[str], list[Row], list[Load]]]:
     """(side, server name, extra flags, rows, loads) of each vLLM server to
-    start, in order: the default server of each side, then the long ones."""
+    start, in order: the default server of each side, then the long ones;
+    ``serve_args`` end every server's flags."""
     # The smoke run's scaled long states fit the default server.
     separate_long = not smoke
     groups = [
@@ -249,7 +261,13 @@ def server_groups(
         ),
     ]
     return [
-        (side, name + suffix, flags + side_flags, group_rows, group_loads)
+        (
+            side,
+            name + suffix,
+            flags + side_flags + list(serve_args or []),
+            group_rows,
+            group_loads,
+        )
         for name, flags, group_rows, group_loads in groups
         if group_rows or group_loads
         for side in sides
@@ -303,7 +321,7 @@ def _run_vllm(
         )
         for mix in sorted({load.mix for load in loads})
     }
-    groups = server_groups(args.smoke, sides, rows, loads)
+    groups = server_groups(args.smoke, sides, rows, loads, args.serve_arg)
     for side, name, flags, group_rows, group_loads in groups:
         if budget.exhausted():
             for row in group_rows:

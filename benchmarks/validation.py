@@ -1,6 +1,7 @@
 """End-to-end validation of vLLM + vllm-d3 against the reference runtime (GPU).
 
-``python -m benchmarks.validation run --out DIR [--quick]`` builds tiny
+``python -m benchmarks.validation run --out DIR [--quick] [--parallel]
+[--serve-arg=FLAG ...] [--http-only]`` builds tiny
 checkpoints (prefix_bidir with a vision tower, causal, noncausal_full_attention),
 the seeded request sets of ``requests.py``, and then, each served by vLLM with no
 flag beyond what a user passes (``--gdn-prefill-backend triton``, for a vLLM
@@ -468,6 +469,20 @@ def bad_inputs(
     ]
 
 
+def server_flags(
+    long: bool, engine_args: dict[str, Any], serve_args: list[str]
+) -> list[str]:
+    """``vllm serve``'s flags after the checkpoint: the long states' length,
+    ``engine_args`` as flags, then ``serve_args`` as given."""
+    flags = ["--max-model-len", str(LONG_MAX_MODEL_LEN)] if long else []
+    flags += [
+        part
+        for key, value in engine_args.items()
+        for part in (f"--{key.replace('_', '-')}", str(value))
+    ]
+    return flags + list(serve_args)
+
+
 def run_http(
     checkpoint: str,
     sets: dict,
@@ -475,14 +490,10 @@ def run_http(
     long: bool,
     engine_args: dict[str, Any],
     log_name: str = "serve.log",
+    serve_args: list[str] | None = None,
 ) -> dict:
-    flags = ["--max-model-len", str(LONG_MAX_MODEL_LEN)] if long else []
-    engine_flags = [
-        part
-        for key, value in engine_args.items()
-        for part in (f"--{key.replace('_', '-')}", str(value))
-    ]
-    with Server(checkpoint, *flags, *engine_flags, log_file=work / log_name) as server:
+    flags = server_flags(long, engine_args, serve_args or [])
+    with Server(checkpoint, *flags, log_file=work / log_name) as server:
         up = server.wait()
         log(f"server up in {up:.0f}s")
         answers: dict[str, list[dict]] = {}
@@ -527,7 +538,7 @@ def run_http(
             "latency_s": latency,
             "server_up_s": up,
             "max_model_len": max_len,
-            "max_model_len_flag": bool(flags),
+            "max_model_len_flag": long,
             "classify_list": classify_list,
             "bad_inputs": rejected,
             "valid_after_bad_inputs": status,
@@ -811,7 +822,14 @@ def run(
     work: Path | None = None,
     parallel: bool = False,
     dtype: str | None = None,
+    serve_args: list[str] | None = None,
+    http_only: bool = False,
 ) -> dict:
+    """The validation; ``serve_args`` go to both servers (e.g.
+    ``--tensor-parallel-size 2``), and ``http_only`` leaves out the in-process
+    engines, the other modes' checkpoints and the start-up checks (for
+    parallel modes that ``vllm.LLM`` does not run in one process)."""
+    serve_args = list(serve_args or [])
     out.mkdir(parents=True, exist_ok=True)
     work = work or out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -843,6 +861,8 @@ def run(
     command += " --quick" if quick else ""
     command += " --parallel" if parallel else ""
     command += f" --dtype {dtype}" if dtype else ""
+    command += "".join(f" --serve-arg={arg}" for arg in serve_args)
+    command += " --http-only" if http_only else ""
 
     def save() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -869,14 +889,18 @@ def run(
         long_states = any(n.startswith(LONG_SETS) for n in names)
         return InProcess(checkpoints[mode], names, work, mode, long_states, engine_args)
 
-    main_job = in_process("prefix_bidir", text_sets)
+    main_job = None if http_only else in_process("prefix_bidir", text_sets)
     jobs = (
-        {mode: in_process(mode, short_text) for mode in OTHER_MODES} if parallel else {}
+        {mode: in_process(mode, short_text) for mode in OTHER_MODES}
+        if parallel and not http_only
+        else {}
     )
     # The same requests to a server that reads one question per request; in
     # parallel (each engine holds a share of the GPU) beside the default one.
     with ThreadPoolExecutor(2 if parallel else 1) as pool:
-        served_http = pool.submit(run_http, main, sets, work, long, engine_args)
+        served_http = pool.submit(
+            run_http, main, sets, work, long, engine_args, "serve.log", serve_args
+        )
         per_question_http = pool.submit(
             run_http,
             main,
@@ -885,6 +909,7 @@ def run(
             long,
             {**engine_args, **PER_QUESTION_ARGS},
             "serve-per-question.log",
+            serve_args,
         )
         http, per_question = served_http.result(), per_question_http.result()
     results["http"] = {
@@ -899,6 +924,8 @@ def run(
     tables[CAUSAL_CONTROL] = table(ref_causal, http["answers"], short_text)
     tables[BIDIR_CONTROL] = table(ref_bidir, http["answers"], short_text)
     save()
+    if main_job is None:
+        return results
     served = main_job.result()
     answers["in process"] = served
     tables[INPROCESS_TABLE] = table(ref, served["served"], text_sets)
@@ -956,6 +983,18 @@ def main(argv: list[str] | None = None) -> int:
         help=f"run the vLLM engines at once, each with {PARALLEL_MEMORY:.0%} of the "
         "GPU memory",
     )
+    run_p.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="a flag for both vllm serve commands, as one argument "
+        "(--serve-arg=--tensor-parallel-size=2)",
+    )
+    run_p.add_argument(
+        "--http-only",
+        action="store_true",
+        help="only the servers: no in-process engines, other modes or start-up checks",
+    )
     report_p = sub.add_parser("report", help="write validation.md from results.json")
     report_p.add_argument("results", type=Path)
     report_p.add_argument("--run-command", required=True, help="the run's command")
@@ -1000,7 +1039,15 @@ def main(argv: list[str] | None = None) -> int:
             {key: json.loads(value) for key, value in engine_args.items()},
         )
     else:
-        run(args.out, args.quick, args.work, args.parallel, args.dtype)
+        run(
+            args.out,
+            args.quick,
+            args.work,
+            args.parallel,
+            args.dtype,
+            args.serve_arg,
+            args.http_only,
+        )
     return 0
 
 

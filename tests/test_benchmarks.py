@@ -567,3 +567,29 @@ def test_packed_step_sends_the_same_questions_three_ways(tmp_path):
     text = json.loads((package / "config.json").read_text())["text_config"]
     assert text["num_hidden_layers"] == 8
     assert text["layer_types"].count("full_attention") == 2
+
+
+def test_serve_args_end_every_servers_flags():
+    # --serve-arg=--tensor-parallel-size=2, as the two-GPU runs pass it.
+    tp = "--tensor-parallel-size=2"
+    args = d3.parse_args(["--out", "x", f"--serve-arg={tp}"])
+    rows = [ROWS_BY_ID["text-1"], ROWS_BY_ID["state-24k"]]
+    groups = d3.server_groups(False, ["vllm", "vllm_per_question"], rows, [], [tp])
+    assert args.serve_arg == [tp]
+    assert [flags[-1] for _, _, flags, _, _ in groups] == [tp] * 4
+    assert groups[3][2] == ["--max-model-len", "131072", *PER_QUESTION_FLAGS, tp]
+
+
+def test_the_validation_passes_serve_args_after_its_own_flags():
+    from benchmarks import validation
+
+    flags = validation.server_flags(
+        True, {"gpu_memory_utilization": 0.15}, ["--data-parallel-size=2"]
+    )
+    assert flags == [
+        "--max-model-len",
+        "131072",
+        "--gpu-memory-utilization",
+        "0.15",
+        "--data-parallel-size=2",
+    ]
