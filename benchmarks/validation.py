@@ -23,7 +23,7 @@ long states):
   4xx, a zstd body that decodes to ``BOMB_BYTES`` (a 413), and a valid request
   after them; the image sets and the longest text state again from the
   typesafe-sdk as published (``sdk_answers``: zstd bodies, images as multipart
-  assets); and the same on a second server that
+  assets); and the same, but for the SDK and the bomb, on a second server that
   reads one question per request (``--additional-config
   '{"d3_state_once": false}'``), whose answers the default server's must meet
   within ``STATE_ONCE_TOLERANCE`` (the same engine, the state read once or once
@@ -370,11 +370,11 @@ def run_inprocess(
                 {"answers": answers}
             )
         log(f"in-process: {len(packs)} requests {variant}")
-    if packable:
         scheduler = llm.llm_engine.vllm_config.scheduler_config
+        # Both variants send the same tokens, only their ends differ.
         results["packed_batch"] = {
-            "prompts": len(packable),
-            "tokens": sum(len(packed_prompt(q)[0]) for _, _, q in packable),
+            "prompts": len(packs),
+            "tokens": sum(len(ids) for ids, _, _ in packs),
             "question_counts": sorted({len(q) for _, _, q in packable}),
             "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         }
@@ -491,7 +491,11 @@ def run_http(
     engine_args: dict[str, Any],
     log_name: str = "serve.log",
     serve_args: list[str] | None = None,
+    clients: bool = True,
 ) -> dict:
+    """Every set over HTTP, then the /classify list form and the bad inputs;
+    with ``clients``, also the typesafe-sdk's sets and the decompression
+    bomb."""
     flags = server_flags(long, engine_args, serve_args or [])
     with Server(checkpoint, *flags, log_file=work / log_name) as server:
         up = server.wait()
@@ -527,9 +531,11 @@ def run_http(
                     "message": str(reply.get("error", reply))[:300],
                 }
             )
-        sdk = {name: sdk_answers(server.url, sets[name]) for name in sdk_sets(sets)}
-        log(f"http: the typesafe-sdk on {', '.join(sdk)}")
-        bomb = decompression_bomb_status(server.url)
+        sdk, bomb = {}, None
+        if clients:
+            sdk = {n: sdk_answers(server.url, sets[n]) for n in sdk_sets(sets)}
+            log(f"http: the typesafe-sdk on {', '.join(sdk)}")
+            bomb = decompression_bomb_status(server.url)
         status, _ = post(server.url + "/v1/systemone", sets["text, 1 question"][0])
         return {
             "sdk_answers": sdk,
@@ -590,12 +596,9 @@ def sdk_answers(url: str, requests: list[dict]) -> list[dict]:
 
 def decompression_bomb_status(url: str) -> int:
     """The status of a zstd /v1/systemone body that decodes to ``BOMB_BYTES``."""
-    if sys.version_info >= (3, 14):
-        from compression.zstd import ZstdCompressor
-    else:
-        from backports.zstd import ZstdCompressor
+    from vllm_d3.entrypoints.serve.middleware.systemone_body import zstd
 
-    compressor = ZstdCompressor()
+    compressor = zstd.ZstdCompressor()
     chunk = bytes(2**20)
     body = b"".join(compressor.compress(chunk) for _ in range(BOMB_BYTES // 2**20))
     request = urllib.request.Request(
@@ -910,6 +913,8 @@ def run(
             {**engine_args, **PER_QUESTION_ARGS},
             "serve-per-question.log",
             serve_args,
+            # The clients' bodies are decoded ahead of the read path.
+            clients=False,
         )
         http, per_question = served_http.result(), per_question_http.result()
     results["http"] = {

@@ -22,8 +22,6 @@ import httpx
 import httpx2
 import pytest
 import vllm.entrypoints.launchers.app as launchers_app
-from backports.zstd import ZstdCompressor
-from backports.zstd import compress as zstd_compress
 from fastapi import Request
 from PIL import Image
 from starlette.testclient import TestClient
@@ -38,6 +36,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 import vllm_d3
 from vllm_d3 import patches
+from vllm_d3.entrypoints.serve.middleware.systemone_body import zstd
 
 ROUTE = "/v1/systemone"
 REQUEST = {
@@ -158,7 +157,7 @@ def post_form(client, request, parts, encoding: str | None = None):
     body, content_type = multipart(request, parts)
     headers = {"content-type": content_type}
     if encoding == "zstd":
-        body = zstd_compress(body)
+        body = zstd.compress(body)
         headers["content-encoding"] = encoding
     return client.post(ROUTE, content=body, headers=headers)
 
@@ -210,7 +209,7 @@ def test_bodies_vllm_refused_are_still_its_refusals(client, recorder):
     assert response.status_code == 400
     assert "JSON decode error" in response.json()["error"]["message"]
     # Compressed bytes without a Content-Encoding.
-    response = post_json(client, zstd_compress(json.dumps(REQUEST).encode()))
+    response = post_json(client, zstd.compress(json.dumps(REQUEST).encode()))
     assert response.status_code == 400
     assert response.json() == {"detail": "There was an error parsing the body"}
     response = client.post(ROUTE, content=b"{}", headers={"content-type": "text/plain"})
@@ -254,15 +253,15 @@ def gzip_members(data: bytes) -> bytes:
 
 
 def zstd_frames(data: bytes) -> bytes:
-    return zstd_compress(data[:20]) + zstd_compress(data[20:])
+    return zstd.compress(data[:20]) + zstd.compress(data[20:])
 
 
 @pytest.mark.parametrize(
     "encoding, compress",
     [
-        ("zstd", zstd_compress),
+        ("zstd", zstd.compress),
         ("gzip", gzip.compress),
-        ("ZSTD", zstd_compress),
+        ("ZSTD", zstd.compress),
         ("zstd", zstd_frames),
         ("gzip", gzip_members),
     ],
@@ -289,7 +288,7 @@ def test_other_encodings_are_415_naming_them(client, recorder, encoding):
 @pytest.mark.parametrize(
     "encoding, body, named",
     [
-        ("zstd", zstd_compress(b'{"state": "x"}')[:-3], "ends before its stream"),
+        ("zstd", zstd.compress(b'{"state": "x"}')[:-3], "ends before its stream"),
         ("gzip", gzip.compress(b'{"state": "x"}')[:-3], "ends before its stream"),
         ("zstd", b'{"state": "x"}', "not valid zstd data"),
         ("gzip", b'{"state": "x"}', "not valid gzip data"),
@@ -304,7 +303,9 @@ def test_corrupt_or_truncated_streams_are_400(client, recorder, encoding, body, 
 
 def zeros(encoding: str, mib: int) -> bytes:
     """``mib`` MiB of zero bytes, compressed a MiB at a time."""
-    compressor = ZstdCompressor() if encoding == "zstd" else zlib.compressobj(wbits=31)
+    compressor = (
+        zstd.ZstdCompressor() if encoding == "zstd" else zlib.compressobj(wbits=31)
+    )
     chunks = [compressor.compress(bytes(1 << 20)) for _ in range(mib)]
     return b"".join(chunks) + compressor.flush()
 
@@ -330,7 +331,7 @@ def test_the_limit_is_the_decoded_size(monkeypatch):
     body = json.dumps(REQUEST).encode()
     monkeypatch.setenv("VLLM_D3_MAX_BODY_BYTES", str(len(body)))
     client, recorder = serve()
-    assert post_json(client, zstd_compress(body), "zstd").status_code == 200
+    assert post_json(client, zstd.compress(body), "zstd").status_code == 200
     assert recorder.requests == [expected()]
     monkeypatch.setenv("VLLM_D3_MAX_BODY_BYTES", str(len(body) - 1))
     client, recorder = serve()

@@ -60,10 +60,12 @@ from vllm.logger import init_logger
 from vllm.multimodal.image import open_image
 from vllm.multimodal.media.image import ImageMediaIO
 
+# The one home of the choice: clients of this module (the validation, the
+# tests) compress with the same zstd.
 if sys.version_info >= (3, 14):
-    from compression.zstd import ZstdDecompressor, ZstdError
+    from compression import zstd
 else:
-    from backports.zstd import ZstdDecompressor, ZstdError
+    from backports import zstd
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -76,7 +78,7 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 IDENTITY = "identity"
 #: Content-Encoding -> (a new incremental decompressor, the error it raises).
 DECOMPRESSORS: dict[str, tuple[Callable[[], Any], type[Exception]]] = {
-    "zstd": (ZstdDecompressor, ZstdError),
+    "zstd": (zstd.ZstdDecompressor, zstd.ZstdError),
     "gzip": (partial(zlib.decompressobj, wbits=16 + zlib.MAX_WBITS), zlib.error),
 }
 FORM = "multipart/form-data"
