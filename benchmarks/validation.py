@@ -533,7 +533,9 @@ def run_http(
             )
         sdk, bomb = {}, None
         if clients:
-            sdk = {n: sdk_answers(server.url, sets[n]) for n in sdk_sets(sets)}
+            sdk = {
+                n: sdk_answers(server.url, checkpoint, sets[n]) for n in sdk_sets(sets)
+            }
             log(f"http: the typesafe-sdk on {', '.join(sdk)}")
             bomb = decompression_bomb_status(server.url)
         status, _ = post(server.url + "/v1/systemone", sets["text, 1 question"][0])
@@ -568,16 +570,22 @@ class _RouteAnswers(BaseModel):
     answers: dict[str, dict[str, Any]]
 
 
-def sdk_answers(url: str, requests: list[dict]) -> list[dict]:
+def sdk_answers(url: str, model: str, requests: list[dict]) -> list[dict]:
     """The answers to ``requests`` (each a JSON request of text state and
     image data URLs) sent by the typesafe-sdk as published: zstd bodies from
-    1 KiB, the images as multipart assets placed in the state."""
+    1 KiB, the images as multipart assets placed in the state. The SDK names a
+    model in every request (its own default unless told), so it is given the
+    served ``model``."""
     from typesafe_sdk import Image as Asset
     from typesafe_sdk import RetryPolicy, TypeSafeClient
 
     answers = []
     with TypeSafeClient(
-        api_key="unused", base_url=url, retry=RetryPolicy(max_retries=0), timeout=600
+        api_key="unused",
+        base_url=url,
+        model=model,
+        retry=RetryPolicy(max_retries=0),
+        timeout=600,
     ) as client:
         for request in requests:
             images = [

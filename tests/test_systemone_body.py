@@ -636,11 +636,13 @@ def test_the_validation_sends_json_requests_through_the_sdk(
 
     png = image("PNG")
     request = {**REQUEST, "images": [data_url("image/png", png)]}
-    assert sdk_answers(served_url, [request]) == [{"answers": ANSWER.answers}]
-    # What the answers depend on; the SDK sends its own model and request id.
+    assert sdk_answers(served_url, "d3", [request]) == [{"answers": ANSWER.answers}]
+    # What the answers depend on, and the served model vLLM checks the name
+    # against (the SDK's own default is a name vLLM answers 404); the SDK sends
+    # its own request id.
     sent = expected(images=[data_url("image/png", png)])
-    assert [(r.state, r.questions, r.images) for r in recorder.requests] == [
-        (sent.state, sent.questions, sent.images)
+    assert [(r.model, r.state, r.questions, r.images) for r in recorder.requests] == [
+        ("d3", sent.state, sent.questions, sent.images)
     ]
 
 
