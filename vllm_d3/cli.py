@@ -148,6 +148,26 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def export_patches(args: argparse.Namespace) -> int:
+    """Write the upstream patch series (``vllm_d3.export``) and list it."""
+    from vllm_d3.export import ExportError, export_series, installed_vllm, patched_tree
+
+    vllm_src = Path(args.vllm_src) if args.vllm_src else None
+    with tempfile.TemporaryDirectory() as scratch:
+        repo = Path(scratch, "vllm")
+        try:
+            files = export_series(Path(args.out), repo, vllm_src)
+        except ExportError as e:
+            print(f"vllm-d3 export-patches: {e}", file=sys.stderr)
+            return 1
+        for patch_file in files:
+            print(patch_file)
+        if args.patched_tree:
+            tree = patched_tree(repo, installed_vllm(), Path(args.patched_tree))
+            print(f"patched vLLM: PYTHONPATH={tree} VLLM_PLUGINS= python ...")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-d3", description=__doc__.splitlines()[0]
@@ -164,7 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument(
         "--no-reference", action="store_true", help="skip the reference comparison"
     )
+    export_parser = sub.add_parser(
+        "export-patches", help="write the upstream patch series (git format-patch)"
+    )
+    export_parser.add_argument("--out", required=True, help="where the patches go")
+    export_parser.add_argument(
+        "--vllm-src",
+        help="a vLLM 0.33.0 git checkout, or a directory holding a vllm package "
+        "(default: the installed package's Python files)",
+    )
+    export_parser.add_argument(
+        "--patched-tree",
+        help="also write a runnable copy of the installed vllm package with the "
+        "series applied here (its files linked, the patched ones copied)",
+    )
     args = parser.parse_args(argv)
+    if args.command == "export-patches":
+        return export_patches(args)
     args.serve_args = args.serve_args.split()
     started = time.time()
     code = demo(args)

@@ -37,12 +37,13 @@ from vllm_d3 import installed_hooks, owns_custom_backend
 
 from .d3_contract import (
     STATE_ONCE_KEY,
+    apply_validated_length,
     attention_mode_of,
     check_decision_fields,
+    check_prefix_bidir_serving,
     decision_config_of,
     is_prefix_bidir,
     state_once_of,
-    validated_length_of,
 )
 
 if TYPE_CHECKING:
@@ -55,33 +56,6 @@ GDN_PREFILL_BACKEND_KEY = "gdn_prefill_backend"
 #: The Gated DeltaNet prefill kernel every GPU validation of the plugin ran on
 #: (Triton/FLA); vLLM's "auto" would pick FlashInfer on Hopper.
 VALIDATED_GDN_PREFILL_BACKEND = "triton"
-
-
-def _apply_validated_length(model_config: "ModelConfig", validated_length: int) -> None:
-    given = model_config.original_max_model_len
-    if given is not None:
-        logger.info(
-            "D3: --max-model-len %s given; the checkpoint's validated_length %d "
-            "is not applied",
-            given,
-            validated_length,
-        )
-        return
-    derived = model_config.max_model_len
-    if validated_length > derived:
-        logger.warning(
-            "D3: validated_length %d exceeds the model's %d positions; using %d",
-            validated_length,
-            derived,
-            derived,
-        )
-        return
-    model_config.max_model_len = validated_length
-    logger.info(
-        "D3: max_model_len %d from the checkpoint's validated_length "
-        "(pass --max-model-len to override)",
-        validated_length,
-    )
 
 
 def _select_full_attention(vllm_config: "VllmConfig") -> bool:
@@ -216,31 +190,12 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
             attention_mode_of(decision),
             ", ".join(installed_hooks()),
         )
-        validated_length = validated_length_of(decision)
-        if validated_length is not None:
-            _apply_validated_length(model_config, validated_length)
+        apply_validated_length(model_config, decision)
 
     @staticmethod
     def verify_and_update_config(vllm_config: "VllmConfig") -> None:
         upstream.D3ForSequenceClassificationConfig.verify_and_update_config(vllm_config)
         if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
             return
-        if not vllm_config.use_v2_model_runner:
-            raise ValueError(
-                "D3 prefix_bidir checkpoints need Model Runner V2: Model Runner V1 "
-                "does not pass the state/question ranges to attention and would "
-                "answer with the wrong mask. V1 was selected (an earlier log line "
-                "says why, e.g. VLLM_USE_V2_MODEL_RUNNER=0 or no Triton)."
-            )
-        if vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError(
-                "D3 prefix_bidir checkpoints do not support prefix caching yet: a "
-                "cached block would hold keys computed without the tokens after it. "
-                "Drop --enable-prefix-caching."
-            )
-        if vllm_config.scheduler_config.enable_chunked_prefill:
-            raise ValueError(
-                "D3 prefix_bidir checkpoints do not support chunked prefill: a state "
-                "or question block must be read whole. Drop --enable-chunked-prefill."
-            )
+        check_prefix_bidir_serving(vllm_config)
         _select_reads(vllm_config, _select_full_attention(vllm_config))

@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The Decision 3.0 fields that vLLM 0.33.0 does not read, and the state-size contract.
+"""Decision 3.0's ``decision_config.json`` rules and the state-size contract.
 
-Pure functions over a checkpoint's ``decision_config.json`` (a dict), shared by the
+Functions over a checkpoint's ``decision_config.json`` (a dict), shared by the
 config hook (start-up), the read strategy (API server) and the worker:
 
 - ``decision_config_of``: the file as vLLM attached it to ``hf_config``, if any.
 - ``attention_mode_of``: the declared attention mode (``causal`` when absent).
-- ``validated_length_of``: the declared ``validated_length`` (a positive int) or None.
+- ``validated_length_of``: the declared ``validated_length`` (a positive int) or None;
+  ``apply_validated_length`` makes it ``max_model_len`` where the user gave none.
+- ``check_prefix_bidir_serving``: the engine options a prefix_bidir checkpoint
+  refuses (Model Runner V1, prefix caching, chunked prefill).
 - ``check_prompt_layout``: only the ``d3`` layout (or none) is understood.
 - ``temperature_schedule_of``: the d3-ultra ``temperature_by_questions`` rule or None.
 - ``state_tokens_of``: the ``d3_state_tokens`` a prefix_bidir request must carry.
@@ -24,7 +27,15 @@ is ignored or clamped.
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig, VllmConfig
+
+# Under the "vllm" logger, so that it shares vLLM's handlers and level.
+logger = init_logger(f"vllm.{__name__}")
 
 PREFIX_BIDIR = "prefix_bidir"
 ATTENTION_MODES = ("causal", "noncausal_full_attention", PREFIX_BIDIR)
@@ -70,6 +81,64 @@ def validated_length_of(decision: Mapping[str, Any]) -> int | None:
             f"not {value!r}"
         )
     return value
+
+
+def apply_validated_length(
+    model_config: "ModelConfig", decision: Mapping[str, Any]
+) -> None:
+    """``max_model_len`` from ``validated_length``, unless the user chose one or
+    the model has fewer positions; the log says which."""
+    validated_length = validated_length_of(decision)
+    if validated_length is None:
+        return
+    given = model_config.original_max_model_len
+    if given is not None:
+        logger.info(
+            "D3: --max-model-len %s given; the checkpoint's validated_length %d "
+            "is not applied",
+            given,
+            validated_length,
+        )
+        return
+    derived = model_config.max_model_len
+    if validated_length > derived:
+        logger.warning(
+            "D3: validated_length %d exceeds the model's %d positions; using %d",
+            validated_length,
+            derived,
+            derived,
+        )
+        return
+    model_config.max_model_len = validated_length
+    logger.info(
+        "D3: max_model_len %d from the checkpoint's validated_length "
+        "(pass --max-model-len to override)",
+        validated_length,
+    )
+
+
+def check_prefix_bidir_serving(vllm_config: "VllmConfig") -> None:
+    """Refuse what a prefix_bidir checkpoint cannot be served with."""
+    if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
+        return
+    if not vllm_config.use_v2_model_runner:
+        raise ValueError(
+            "D3 prefix_bidir checkpoints need Model Runner V2: Model Runner V1 "
+            "does not pass the state/question ranges to attention and would "
+            "answer with the wrong mask. V1 was selected (an earlier log line "
+            "says why, e.g. VLLM_USE_V2_MODEL_RUNNER=0 or no Triton)."
+        )
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise ValueError(
+            "D3 prefix_bidir checkpoints do not support prefix caching yet: a "
+            "cached block would hold keys computed without the tokens after it. "
+            "Drop --enable-prefix-caching."
+        )
+    if vllm_config.scheduler_config.enable_chunked_prefill:
+        raise ValueError(
+            "D3 prefix_bidir checkpoints do not support chunked prefill: a state "
+            "or question block must be read whole. Drop --enable-chunked-prefill."
+        )
 
 
 def check_prompt_layout(decision: Mapping[str, Any]) -> None:

@@ -1,0 +1,153 @@
+"""The upstream patch series (``vllm-d3 export-patches``) against the installed
+vLLM 0.33.0: exported, applied with ``git am`` and run in-tree with this plugin
+not loaded (``VLLM_PLUGINS=""``, vLLM's allow-list of plugin names)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_d3.cli import main
+from vllm_d3.export import (
+    Edit,
+    ExportError,
+    NewFile,
+    Patch,
+    apply_patch,
+    installed_vllm,
+)
+from vllm_d3.export.series import IN_TREE_TESTS, SERIES
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The series through the command line, and a patched copy of vLLM."""
+    work = tmp_path_factory.mktemp("export")
+    out, tree = work / "patches", work / "tree"
+    args = ["export-patches", "--out", str(out), "--patched-tree", str(tree)]
+    assert main(args) == 0
+    return sorted(out.glob("*.patch")), tree
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def base_repo(path: Path) -> Path:
+    """A git repository of the installed vLLM's Python files, written here."""
+    installed = installed_vllm()
+    for source in installed.rglob("*.py"):
+        if "__pycache__" not in source.parts:
+            target = path / "vllm" / source.relative_to(installed)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+    git(path, "init", "-q")
+    git(path, "add", "-A")
+    git(path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
+    return path
+
+
+def test_one_patch_per_commit_in_order_and_git_am_applies_them(exported, tmp_path):
+    patches, _ = exported
+    subjects = [p.read_text().split("Subject: [PATCH", 1)[1] for p in patches]
+    assert len(patches) == len(SERIES)
+    for subject, patch in zip(subjects, SERIES, strict=True):
+        assert subject.split("] ", 1)[1].startswith(patch.title[:40])
+    repo = base_repo(tmp_path / "vllm-src")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "am", *map(str, patches))
+    assert len(git(repo, "log", "--format=%s").splitlines()) == len(SERIES) + 1
+
+
+def test_new_files_are_whole_modules_read_as_upstream():
+    text = NewFile("model_executor/models/d3_contract.py").text()
+    own = (ROOT / "vllm_d3/model_executor/models/d3_contract.py").read_text()
+    assert "vllm_d3" not in text
+    assert "logger = init_logger(__name__)" in text
+    assert "logger = init_logger(__name__)" not in own
+    assert text.count("\n") == own.count("\n") - 1  # the logger's comment
+
+
+@pytest.mark.parametrize(
+    ("source", "found"), [("a\nb\n", "is not in"), ("x\n" * 2, "2 times")]
+)
+def test_a_moved_anchor_stops_the_export_naming_it(source, found):
+    edit = Edit("vllm/some/file.py", anchor="x\n", text="y\n")
+    with pytest.raises(ExportError, match=f"vllm/some/file.py: .*'x'.* {found}"):
+        edit.apply(source)
+
+
+def test_an_anchor_is_replaced_once():
+    assert Edit("f.py", anchor="b\n", text="b\nc\n").apply("a\nb\n") == "a\nb\nc\n"
+
+
+def test_a_new_file_that_exists_is_refused(tmp_path):
+    repo = base_repo(tmp_path)
+    patch = Patch("t", "b", (NewFile("config/__init__.py"),))
+    with pytest.raises(ExportError, match="vllm/config/__init__.py: already"):
+        apply_patch(repo, patch)
+
+
+def test_the_patched_tree_links_all_but_the_series_files(exported):
+    _, tree = exported
+    installed = installed_vllm()
+    init = tree / "vllm" / "__init__.py"
+    assert init.is_symlink() and init.resolve() == (installed / "__init__.py")
+    for path in (
+        "model_executor/models/config.py",
+        "model_executor/models/d3_contract.py",
+    ):
+        assert not (tree / "vllm" / path).is_symlink()
+    assert (tree / "vllm/model_executor/models/config.py").read_text() != (
+        installed / "model_executor/models/config.py"
+    ).read_text()
+
+
+PROBE = """
+import vllm, vllm_d3
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+print(vllm.__file__, vllm_d3.installed_hooks())
+"""
+
+
+def in_tree(tree: Path | None, *args: str) -> subprocess.CompletedProcess:
+    """``python args`` with the patched vLLM (or the installed one) first on the
+    path and no vLLM plugin allowed."""
+    env = {**os.environ, "VLLM_PLUGINS": ""}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(tree), env.get("PYTHONPATH")])
+        )
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+def test_the_cpu_tests_pass_in_tree_without_the_plugin(exported):
+    _, tree = exported
+    probe = in_tree(tree, "-c", PROBE)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == [str(tree / "vllm" / "__init__.py"), "[]"]
+    run = in_tree(tree, "-m", "pytest", "-q", "-p", "no:cacheprovider", *IN_TREE_TESTS)
+    assert run.returncode == 0, run.stdout[-3000:]
+    # Control: the same run on vLLM 0.33.0 as released fails without the plugin.
+    control = in_tree(
+        None,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_config.py::test_prefix_bidir_contract",
+    )
+    assert control.returncode == 1
+    assert (
+        "unsupported decision_config.json attention_mode 'prefix_bidir'"
+        in control.stdout
+    )

@@ -1,0 +1,199 @@
+"""The upstream patch series, generated from this package
+(``vllm-d3 export-patches``; docs/upstream.md).
+
+Contract:
+
+- ``vllm_d3.export.series.SERIES`` lists the commits in the order a reviewer
+  reads them. Each ``Patch`` is a title, a message body and its changes, applied
+  in order to the tree the previous ones left:
+  - ``NewFile``: a module of this package written whole at the upstream path it
+    mirrors (``vllm_d3/x/y.py`` -> ``vllm/x/y.py``), its ``vllm_d3`` imports
+    read as ``vllm`` ones and its ``"vllm."``-prefixed logger name as the plain
+    module name (in-tree modules already sit under the ``vllm`` logger);
+  - ``Edit``: a small anchored change to an existing upstream file. The anchor
+    must occur exactly once; otherwise ``ExportError`` names the file and the
+    anchor, so that a 0.33.x release that moved the code stops the export
+    instead of producing a wrong patch.
+- ``export_series(out, repo, vllm_src)``: a git repository of vLLM at ``repo``
+  (a clone of ``vllm_src`` when it is a git checkout; otherwise the
+  ``.py`` files of the ``vllm`` package that ``vllm_src`` holds, or of the
+  installed one when it is ``None``, committed as the base), one commit per
+  patch on top, written to ``out`` by ``git format-patch``. Returns the patch
+  files.
+- ``patched_tree(repo, installed, dst)``: a runnable copy of the installed
+  ``vllm`` package at ``dst/vllm``: links to every installed file (compiled
+  extensions included) except the files the series adds or changes, which are
+  the repository's. ``PYTHONPATH=dst`` then imports the patched vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The package this module belongs to, and the one its modules mirror.
+PACKAGE = "vllm_d3"
+UPSTREAM = "vllm"
+#: A plugin module's logger (with the comment that explains its name, if any).
+_PLUGIN_LOGGER = re.compile(
+    r'(# Under the "vllm" logger, .*\n)?logger = init_logger\(f"vllm\.\{__name__\}"\)'
+)
+#: Who the exported commits are by, unless git's environment says otherwise.
+AUTHOR = ("vllm-d3", "vllm-d3@users.noreply.github.com")
+
+
+class ExportError(RuntimeError):
+    """The series does not apply to the given vLLM tree."""
+
+
+@dataclass(frozen=True)
+class NewFile:
+    """A module of this package, written whole at its upstream path."""
+
+    module: str
+    """Its path inside this package, e.g. ``model_executor/models/d3.py``."""
+
+    @property
+    def path(self) -> str:
+        return f"{UPSTREAM}/{self.module}"
+
+    def text(self) -> str:
+        source = (Path(__file__).parent.parent / self.module).read_text()
+        source = re.sub(rf"\b{PACKAGE}\.", f"{UPSTREAM}.", source)
+        source = re.sub(rf"\bimport {PACKAGE}\b", f"import {UPSTREAM}", source)
+        return re.sub(_PLUGIN_LOGGER, "logger = init_logger(__name__)", source)
+
+
+@dataclass(frozen=True)
+class Edit:
+    """``anchor``, which must occur exactly once in ``path``, becomes ``text``."""
+
+    path: str
+    anchor: str
+    text: str
+
+    def apply(self, source: str) -> str:
+        count = source.count(self.anchor)
+        if count != 1:
+            where = "is not in" if count == 0 else f"occurs {count} times in"
+            first = self.anchor.strip().splitlines()[0].strip()
+            raise ExportError(
+                f"{self.path}: the anchor starting {first!r} {where} this vLLM "
+                "tree; the series is written against vLLM 0.33.0"
+            )
+        return source.replace(self.anchor, self.text)
+
+
+@dataclass(frozen=True)
+class Patch:
+    title: str
+    body: str
+    changes: tuple[NewFile | Edit, ...]
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": os.environ.get("GIT_AUTHOR_NAME", AUTHOR[0]),
+        "GIT_AUTHOR_EMAIL": os.environ.get("GIT_AUTHOR_EMAIL", AUTHOR[1]),
+        "GIT_COMMITTER_NAME": os.environ.get("GIT_COMMITTER_NAME", AUTHOR[0]),
+        "GIT_COMMITTER_EMAIL": os.environ.get("GIT_COMMITTER_EMAIL", AUTHOR[1]),
+    }
+    done = subprocess.run(
+        ["git", "-C", str(repo), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise ExportError(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def installed_vllm() -> Path:
+    """The directory of the ``vllm`` package Python imports."""
+    import vllm
+
+    return Path(vllm.__file__).parent
+
+
+def _base_repo(vllm_src: Path | None, repo: Path) -> None:
+    """``repo``: vLLM at the series' base commit."""
+    if vllm_src is not None and (vllm_src / ".git").exists():
+        repo.rmdir()
+        subprocess.run(
+            ["git", "clone", "-q", "--shared", str(vllm_src), str(repo)], check=True
+        )
+        return
+    package = installed_vllm() if vllm_src is None else vllm_src / UPSTREAM
+    if not (package / "__init__.py").is_file():
+        raise ExportError(f"{package} is not a vllm package directory")
+    for source in package.rglob("*.py"):
+        if "__pycache__" in source.parts:
+            continue
+        target = repo / UPSTREAM / source.relative_to(package)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "vLLM (the Python tree of the installed package)")
+
+
+def apply_patch(repo: Path, patch: Patch) -> None:
+    """Write ``patch``'s changes into ``repo`` and commit them."""
+    for change in patch.changes:
+        target = repo / change.path
+        if isinstance(change, NewFile):
+            if target.exists():
+                raise ExportError(f"{change.path}: already in this vLLM tree")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(change.text())
+        else:
+            if not target.is_file():
+                raise ExportError(f"{change.path}: not in this vLLM tree")
+            target.write_text(change.apply(target.read_text()))
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", f"{patch.title}\n\n{patch.body}")
+
+
+def export_series(out: Path, repo: Path, vllm_src: Path | None = None) -> list[Path]:
+    """Commit the series in ``repo`` (a directory that does not exist yet) and
+    write it to ``out``; returns the patch files."""
+    from .series import SERIES
+
+    repo.mkdir(parents=True)
+    _base_repo(vllm_src, repo)
+    base = _git(repo, "rev-parse", "HEAD").strip()
+    for patch in SERIES:
+        apply_patch(repo, patch)
+    out.mkdir(parents=True, exist_ok=True)
+    written = _git(repo, "format-patch", "-o", str(out.resolve()), base)
+    return [Path(line) for line in written.splitlines()]
+
+
+def changed_files(repo: Path) -> list[str]:
+    """The files the series adds or changes, relative to the repository."""
+    base = _git(repo, "rev-list", "--max-parents=0", "HEAD").split()[0]
+    return _git(repo, "diff", "--name-only", base, "HEAD").split()
+
+
+def patched_tree(repo: Path, installed: Path, dst: Path) -> Path:
+    """``dst/vllm``: the installed package, linked file by file, with the
+    series' files from ``repo``. Returns ``dst``."""
+    package = dst / UPSTREAM
+    for directory, subdirs, files in os.walk(installed):
+        subdirs[:] = [d for d in subdirs if d != "__pycache__"]
+        here = package / Path(directory).relative_to(installed)
+        here.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            (here / name).symlink_to(Path(directory) / name)
+    for path in changed_files(repo):
+        target = dst / path
+        target.unlink(missing_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(repo / path, target)
+    return dst

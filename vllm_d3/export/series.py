@@ -1,0 +1,151 @@
+"""The upstream patch series, in the order a reviewer reads it
+(``vllm_d3.export``; docs/upstream.md lists what is still to come).
+
+Each ``Edit`` anchors on vLLM 0.33.0's own lines and replaces them with the
+same lines plus the change, so that the patch shows only the change. The code
+an edit adds calls functions of the new files; the rules live there, in the
+modules this package serves with.
+"""
+
+from . import Edit, NewFile, Patch
+
+_CONFIG = "vllm/model_executor/models/config.py"
+_CONVERTOR = "vllm/transformers_utils/model_arch_config_convertor.py"
+
+CONTRACT = Patch(
+    title="[Model] D3: serve prefix_bidir checkpoints' config contract",
+    body="""\
+Decision 3.0 packages that declare attention_mode "prefix_bidir" (vllm-sr/d3-turbo,
+vllm-sr/d3-ultra) are refused at start-up today. Accept them in the D3 config
+contract:
+
+- The Qwen3.5 convertor turns is_mm_prefix_lm on for them, text-only serving
+  included: each request's state and question ranges must reach attention, so
+  only backends that apply such ranges may be selected.
+- The text layers stay decoder attention with a KV cache; the model as a whole
+  is marked non-causal, so chunked prefill and prefix caching default to off.
+  Model Runner V1 (which passes no ranges), prefix caching and chunked prefill
+  are refused with an error that says why.
+- validated_length becomes max_model_len when the user gave none (every mode).
+- The d3-ultra fields (prompt_layout, temperature_by_questions) are validated
+  at start-up; a malformed field stops it with an error naming the field.
+
+The decision_config.json rules live in the new d3_contract module, shared by the
+config hook, the D3 read strategy and the worker in the following patches.""",
+    changes=(
+        NewFile("model_executor/models/d3_contract.py"),
+        Edit(
+            _CONVERTOR,
+            anchor="""\
+                hf_config.decision_config = get_hf_file_to_dict(
+                    "decision_config.json", model_path, revision
+                )
+        super().__init__(hf_config, hf_text_config, revision)
+""",
+            text="""\
+                hf_config.decision_config = get_hf_file_to_dict(
+                    "decision_config.json", model_path, revision
+                )
+        super().__init__(hf_config, hf_text_config, revision)
+
+    def is_mm_prefix_lm(self, supports_multimodal: bool = True) -> bool:
+        # Imported here: vllm.config imports this module first.
+        from vllm.model_executor.models.d3_contract import (
+            decision_config_of,
+            is_prefix_bidir,
+        )
+
+        # A D3 prefix_bidir checkpoint's state and question ranges must reach
+        # attention even when the deployment serves text only.
+        if is_prefix_bidir(decision_config_of(self.hf_config)):
+            return True
+        return super().is_mm_prefix_lm(supports_multimodal)
+""",
+        ),
+        Edit(
+            _CONFIG,
+            anchor="""\
+from vllm.logger import init_logger
+""",
+            text="""\
+from vllm.logger import init_logger
+from vllm.model_executor.models.d3_contract import (
+    ATTENTION_MODES,
+    PREFIX_BIDIR,
+    apply_validated_length,
+    attention_mode_of,
+    check_decision_fields,
+    check_prefix_bidir_serving,
+)
+""",
+        ),
+        Edit(
+            _CONFIG,
+            anchor="""\
+        attention_mode = decision.get("attention_mode", "causal")
+        if attention_mode not in ("causal", "noncausal_full_attention"):
+""",
+            text="""\
+        attention_mode = attention_mode_of(decision)
+        if attention_mode not in ATTENTION_MODES:
+""",
+        ),
+        Edit(
+            _CONFIG,
+            anchor="""\
+        # The full attention layers read the whole prompt in both directions;
+        # the Gated DeltaNet layers stay causal.
+        is_causal = attention_mode == "causal"
+        for config in {
+            id(config): config for config in (hf_config, model_config.hf_text_config)
+        }.values():
+            config.is_causal = is_causal
+""",
+            text="""\
+        # noncausal_full_attention: the full attention layers read the whole
+        # prompt in both directions; the Gated DeltaNet layers stay causal.
+        # prefix_bidir: the text layers stay decoder attention and read each
+        # request's state and question ranges (is_mm_prefix_lm).
+        is_causal = attention_mode != "noncausal_full_attention"
+        for config in {
+            id(config): config for config in (hf_config, model_config.hf_text_config)
+        }.values():
+            config.is_causal = is_causal
+        if attention_mode == PREFIX_BIDIR:
+            # The model as a whole is not causal: the state and each question
+            # read themselves both ways, so chunked prefill and prefix caching
+            # default to off.
+            hf_config.is_causal = False
+""",
+        ),
+        Edit(
+            _CONFIG,
+            anchor="""\
+        if pooler_config.use_activation is None:
+            pooler_config.use_activation = False
+
+
+class SnowflakeGteNewModelConfig(VerifyAndUpdateConfig):
+""",
+            text="""\
+        if pooler_config.use_activation is None:
+            pooler_config.use_activation = False
+
+        check_decision_fields(decision)
+        apply_validated_length(model_config, decision)
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: "VllmConfig") -> None:
+        Qwen3_5ForConditionalGenerationConfig.verify_and_update_config(vllm_config)
+        check_prefix_bidir_serving(vllm_config)
+
+
+class SnowflakeGteNewModelConfig(VerifyAndUpdateConfig):
+""",
+        ),
+    ),
+)
+
+SERIES: tuple[Patch, ...] = (CONTRACT,)
+#: The CPU tests that the series so far makes pass in-tree, without the plugin.
+IN_TREE_TESTS = ("tests/test_config.py",)
