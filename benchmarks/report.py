@@ -5,10 +5,11 @@ Contract:
   ``benchmarks.d3`` as markdown: latency rows with the p50 of each side
   (``rows.SIDES``: vLLM state once, vLLM per question, the reference), the
   ratios of the p50s, the tokens each side computes per request and how many
-  times it reads the state; throughput with each side's requests and
-  questions per second and their ratios; start-up and peak GPU memory of each
-  server, skipped rows and the environment. A side that did not run shows its
-  status instead of a number.
+  times it reads the state; where a vLLM side has them, each row's HTTP
+  latency against the engine's time per request (``vllm_side.engine_time``);
+  throughput with each side's requests and questions per second and their
+  ratios; start-up and peak GPU memory of each server, skipped rows and the
+  environment. A side that did not run shows its status instead of a number.
 - ``plot(results, path)`` draws p50 latency against the state block size for
   the rows without media, every side measured, log-log. It returns a note: the
   file written, or why it was skipped (matplotlib missing, nothing measured).
@@ -108,6 +109,52 @@ def _latency_table(rows: list[dict[str, Any]]) -> list[str]:
             f"| {' | '.join(cells)} | {_ratio_cells(row)} | {tokens} | {reads} |"
         )
     return lines
+
+
+def _engine_table(rows: list[dict[str, Any]]) -> list[str]:
+    """HTTP against engine time per request, for every vLLM side that has it."""
+    entries = [
+        (row, side, row[side]["engine"])
+        for row in rows
+        for side in SIDES
+        if _ok(row[side]) and "e2e_s" in row[side].get("engine", {})
+    ]
+    if not entries:
+        return []
+    lines = [
+        "### vLLM: HTTP and engine time per request",
+        "",
+        "Means over each row's requests, warm-ups included, from vLLM's "
+        "per-request histograms (`/metrics`): *engine* from a request's arrival "
+        "at the engine to its end (summed over the engine requests of one HTTP "
+        "request, which overlap), of it the wait in the queue and the prefill; "
+        "*front end* the rest of the HTTP latency, where one HTTP request is one "
+        "engine request.",
+        "",
+        *_header(
+            [
+                "row",
+                "side",
+                "HTTP (ms)",
+                "engine (ms)",
+                "queue (ms)",
+                "prefill (ms)",
+                "front end (ms)",
+                "engine requests",
+            ]
+        ),
+    ]
+    for row, side, engine in entries:
+        parts = [engine["http_mean_s"], engine["e2e_s"]]
+        parts += [engine.get(f"{key}_s") for key in ("queue", "prefill")]
+        cells = ["" if part is None else _ms(part) for part in parts]
+        front = engine["http_mean_s"] - engine["e2e_s"]
+        one = engine["engine_requests"] == 1
+        lines.append(
+            f"| {row['label']} | {LABELS[side]} | {' | '.join(cells)} "
+            f"| {_ms(front) if one else ''} | {engine['engine_requests']:g} |"
+        )
+    return [*lines, ""]
 
 
 def _throughput_table(loads: list[dict[str, Any]]) -> list[str]:
@@ -216,6 +263,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         *_latency_table(results["latency"]),
         "",
+        *_engine_table(results["latency"]),
         "## Throughput (closed loop over HTTP)",
         "",
         f"Each run: {settings['throughput']['warmup_s']:g} s warm-up, then "

@@ -13,6 +13,14 @@ Contract:
   up fails every row of its group, with the end of its log. ``progress(result)``
   gets the server's result so far after start-up and after each row and load
   (its peak memory once the server has stopped).
+- Around each latency row, the server's Prometheus ``/metrics`` are read
+  (``engine_totals``) and the row gets ``engine`` (``engine_time``): per HTTP
+  request of the row (warm-ups included), its mean HTTP latency, the engine's
+  seconds from vLLM's per-request histograms (``ENGINE_HISTOGRAMS``: from the
+  request's arrival at the engine to its end, its wait in the queue, its
+  prefill) and the engine requests it became. The gap between the HTTP
+  latency and the engine's is the front end's (rendering, packing, the answer).
+  A server without those metrics gives no ``engine``.
 - ``closed_loop(url, pool, clients, ...)``: ``clients`` threads, each sending
   the next request of ``pool`` (round robin) as soon as its previous one is
   answered. Requests answered with 200 inside the measuring window (after
@@ -27,6 +35,8 @@ import shlex
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +56,17 @@ MEMORY_LOG = re.compile(
     r"|graph capturing finished|init engine",
     re.IGNORECASE,
 )
+
+
+#: vLLM's per-request histograms (``v1/metrics/loggers.py``), by what the
+#: results call them.
+ENGINE_HISTOGRAMS = {
+    "e2e": "vllm:e2e_request_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+#: A Prometheus sample line: name, labels, value.
+SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{.*\})?\s+(\S+)$")
 
 
 def serve_flags(checkpoint: str, extra: list[str]) -> list[str]:
@@ -109,6 +130,43 @@ def _systemone(url: str, request: dict[str, Any]) -> int:
     if status != 200:
         raise RuntimeError(f"HTTP {status}: {json.dumps(body)[:300]}")
     return int(body["usage"]["input_tokens"])
+
+
+def engine_totals(url: str) -> dict[str, tuple[float, float]]:
+    """Each ``ENGINE_HISTOGRAMS`` sum and count over its label sets, from the
+    server's ``/metrics``; those it does not export are left out."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+    except (OSError, urllib.error.URLError):
+        return {}
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if match := SAMPLE.match(line):
+            name, value = match.groups()
+            samples[name] = samples.get(name, 0.0) + float(value)
+    return {
+        key: (samples[f"{name}_sum"], samples[f"{name}_count"])
+        for key, name in ENGINE_HISTOGRAMS.items()
+        if f"{name}_sum" in samples and f"{name}_count" in samples
+    }
+
+
+def engine_time(
+    before: dict[str, tuple[float, float]],
+    after: dict[str, tuple[float, float]],
+    http_s: list[float],
+) -> dict[str, float]:
+    """Per HTTP request (``http_s``: each one's latency), the engine's seconds
+    of each histogram between two ``engine_totals``, and the engine requests."""
+    keys = [key for key in ENGINE_HISTOGRAMS if key in before and key in after]
+    if not keys or not http_s:
+        return {}
+    n = len(http_s)
+    engine = {"http_mean_s": sum(http_s) / n}
+    engine |= {f"{key}_s": (after[key][0] - before[key][0]) / n for key in keys}
+    engine["engine_requests"] = (after[keys[0]][1] - before[keys[0]][1]) / n
+    return engine
 
 
 def _served_max_model_len(url: str) -> int | None:
@@ -271,6 +329,7 @@ def run_group(
                 continue
             row_warmup = long_warmup if row.long else warmup
             sent = requests[row.id][warmup - row_warmup :]
+            before = engine_totals(server.url)
             try:
                 timed = measure(call, sent, warmup=row_warmup, budget=budget)
             except Exception as error:  # one row failing must not end the run
@@ -280,8 +339,19 @@ def run_group(
                 log(f"vLLM {name}: {row.id} {rows_out[row.id]['status']}")
                 continue
             rows_out[row.id] = {**timed.summary(), "input_tokens": timed.outputs}
+            engine = engine_time(
+                before, engine_totals(server.url), timed.warmup_s + timed.times_s
+            )
+            shown = ""
+            if engine:
+                rows_out[row.id]["engine"] = engine
+            if "e2e_s" in engine:
+                shown = (
+                    f"; per request: HTTP {engine['http_mean_s'] * 1e3:.1f} ms, "
+                    f"engine {engine['e2e_s'] * 1e3:.1f} ms"
+                )
             gate.measured(row, timed.p50_s)
-            log(f"vLLM {name}: {row.id} p50 {timed.p50_s * 1e3:.1f} ms")
+            log(f"vLLM {name}: {row.id} p50 {timed.p50_s * 1e3:.1f} ms{shown}")
             progress(result)
         for load in loads:
             if budget.exhausted():

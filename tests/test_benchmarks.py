@@ -292,8 +292,14 @@ def test_sides_default_to_all_three():
 # -------------------------------------------------------- vLLM side, stubbed
 
 
+#: The stub's engine time per question, as its /metrics report it.
+STUB_ENGINE_S = 0.01
+
+
 class _StubHandler(BaseHTTPRequestHandler):
-    """Answers like /v1/systemone: 100 input tokens per question."""
+    """Answers like /v1/systemone: 100 input tokens per question. Its
+    /metrics count one engine request of ``STUB_ENGINE_S`` per question, in
+    Prometheus' text format, split over two label sets as vLLM's engines are."""
 
     def log_message(self, *args: object) -> None:
         pass
@@ -307,7 +313,25 @@ class _StubHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
-        self._reply({"data": [{"max_model_len": 4096}]})
+        if self.path != "/metrics":
+            self._reply({"data": [{"max_model_len": 4096}]})
+            return
+        questions = sum(len(b["questions"]) for b in self.server.bodies)  # type: ignore[attr-defined]
+        lines = ["# TYPE vllm:e2e_request_latency_seconds histogram"]
+        for engine, share in (("0", 0.25), ("1", 0.75)):
+            labels = f'{{engine="{engine}",model_name="/a b"}}'
+            name = "vllm:e2e_request_latency_seconds"
+            lines += [
+                f'{name}_bucket{{engine="{engine}",le="+Inf"}} {questions * share}',
+                f"{name}_sum{labels} {questions * share * STUB_ENGINE_S}",
+                f"{name}_count{labels} {questions * share}",
+            ]
+        data = "\n".join(lines).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -382,6 +406,15 @@ def test_vllm_group_over_http(monkeypatch, tmp_path):
     assert result["rows"]["text-1"]["input_tokens"] == [100, 100]
     assert result["rows"]["text-4"]["input_tokens"] == [400, 400]
     assert result["rows"]["text-4"]["repeats"] == 2
+    # Per HTTP request (warm-up included): the engine requests and seconds the
+    # stub's /metrics counted over the row; no queue or prefill histograms.
+    for row_id, questions in (("text-1", 1), ("text-4", 4)):
+        engine = result["rows"][row_id]["engine"]
+        assert engine["engine_requests"] == questions
+        assert engine["e2e_s"] == pytest.approx(questions * STUB_ENGINE_S)
+        times = result["rows"][row_id]["warmup_s"] + result["rows"][row_id]["times_s"]
+        assert engine["http_mean_s"] == pytest.approx(sum(times) / len(times))
+        assert "queue_s" not in engine and "prefill_s" not in engine
     load = result["loads"]["tput-text-8"]
     assert load["status"] == "ok" and load["errors"] == 0
     assert load["requests_per_s"] > 0
@@ -522,6 +555,18 @@ def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
         f"/ {four['tokens_reference']:,} | 1 / 4 / 1 |"
     ) in text
     assert "default server (`--gdn-prefill-backend triton --load-format" in text
+    # HTTP against engine time, with the front end's share where one HTTP
+    # request is one engine request (the stub's 1-question row).
+    engine = {row["id"]: row["vllm"]["engine"] for row in results["latency"]}
+    one = next(row for row in results["latency"] if row["id"] == "text-1")
+    front = engine["text-1"]["http_mean_s"] - engine["text-1"]["e2e_s"]
+    http = report._ms(engine["text-1"]["http_mean_s"])
+    assert (
+        f"| {one['label']} | vLLM state once | {http} "
+        f"| {report._ms(STUB_ENGINE_S)} |  |  | {report._ms(front)} | 1 |"
+    ) in text
+    assert f"| {four['label']} | vLLM state once |" in text
+    assert (f"| {report._ms(4 * STUB_ENGINE_S)} |  |  |  | 4 |") in text
     assert (
         "default-per-question server (`--gdn-prefill-backend triton --load-format "
         "dummy --additional-config '{\"d3_state_once\": false}'`)"
