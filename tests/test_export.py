@@ -64,6 +64,32 @@ def test_one_patch_per_commit_in_order_and_git_am_applies_them(exported, tmp_pat
     assert len(git(repo, "log", "--format=%s").splitlines()) == len(SERIES) + 1
 
 
+def test_a_git_checkout_is_cloned_and_left_as_it_was(exported, tmp_path):
+    patches, _ = exported
+    src = base_repo(tmp_path / "checkout")
+    (src / "NOTES").write_text("a commit after the release\n")
+    git(src, "add", "NOTES")
+    git(src, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "notes")
+    head = git(src, "rev-parse", "HEAD")
+    out, tree = tmp_path / "patches", tmp_path / "tree"
+    args = ["export-patches", "--out", str(out), "--vllm-src", str(src)]
+    assert main([*args, "--patched-tree", str(tree)]) == 0
+    # The same changes as from the installed package's files.
+    diffs = [p.read_text().split("\n---\n", 1)[1] for p in sorted(out.glob("*"))]
+    assert diffs == [p.read_text().split("\n---\n", 1)[1] for p in patches]
+    assert git(src, "rev-parse", "HEAD") == head
+    assert git(src, "status", "--porcelain") == ""
+    # Only the series' files are copied into the patched tree.
+    assert not (tree / "NOTES").exists()
+    assert (tree / "vllm" / "__init__.py").is_symlink()
+
+
+def test_a_source_without_vllm_is_refused(tmp_path, capsys):
+    args = ["export-patches", "--out", str(tmp_path / "out")]
+    assert main([*args, "--vllm-src", str(tmp_path)]) == 1
+    assert "is not a vllm package directory" in capsys.readouterr().err
+
+
 def test_new_files_are_whole_modules_read_as_upstream():
     text = NewFile("model_executor/models/d3_contract.py").text()
     own = (ROOT / "vllm_d3/model_executor/models/d3_contract.py").read_text()

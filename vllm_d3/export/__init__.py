@@ -124,10 +124,7 @@ def installed_vllm() -> Path:
 def _base_repo(vllm_src: Path | None, repo: Path) -> None:
     """``repo``: vLLM at the series' base commit."""
     if vllm_src is not None and (vllm_src / ".git").exists():
-        repo.rmdir()
-        subprocess.run(
-            ["git", "clone", "-q", "--shared", str(vllm_src), str(repo)], check=True
-        )
+        _git(vllm_src, "clone", "-q", "--shared", ".", str(repo.resolve()))
         return
     package = installed_vllm() if vllm_src is None else vllm_src / UPSTREAM
     if not (package / "__init__.py").is_file():
@@ -176,9 +173,10 @@ def export_series(out: Path, repo: Path, vllm_src: Path | None = None) -> list[P
 
 
 def changed_files(repo: Path) -> list[str]:
-    """The files the series adds or changes, relative to the repository."""
-    base = _git(repo, "rev-list", "--max-parents=0", "HEAD").split()[0]
-    return _git(repo, "diff", "--name-only", base, "HEAD").split()
+    """The files the series (the last commits of ``repo``) adds or changes."""
+    from .series import SERIES
+
+    return _git(repo, "diff", "--name-only", f"HEAD~{len(SERIES)}", "HEAD").split()
 
 
 def patched_tree(repo: Path, installed: Path, dst: Path) -> Path:
