@@ -2,7 +2,10 @@
 
 CPU runs select vLLM's CPU platform (there is no accelerator to detect) and load
 the plugins the way vLLM's own processes do. GPU tests are marked ``gpu`` and are
-skipped when CUDA is not available.
+skipped when CUDA is not available. Tests of how the plugin reaches vLLM (its
+registrations and patches) are marked ``plugin`` and skipped when the tests run
+in-tree, against vLLM with the upstream patch series applied and no plugin
+loaded (``VLLM_D3_IN_TREE=1``, ``tests/test_export.py``).
 """
 
 import os
@@ -17,13 +20,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
 
 
+#: Set by tests/test_export.py for its in-tree run.
+IN_TREE = os.environ.get("VLLM_D3_IN_TREE") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA GPU")
+    if IN_TREE:
+        skips["plugin"] = pytest.mark.skip(reason="the plugin is not loaded in-tree")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

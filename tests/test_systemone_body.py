@@ -181,6 +181,7 @@ def assert_refused(response, status: int, *named: str) -> None:
 # Plain JSON, other routes and the seam.
 
 
+@pytest.mark.plugin
 def test_the_plugin_builds_the_middleware_into_vllms_app():
     load_general_plugins()
     assert patches.is_applied(launchers_app, "init_entrypoints_middleware")

@@ -4,8 +4,9 @@
 Contract:
 
 - ``vllm_d3.export.series.SERIES`` lists the commits in the order a reviewer
-  reads them. Each ``Patch`` is a title, a message body and its changes, applied
-  in order to the tree the previous ones left:
+  reads them. Each ``Patch`` is a title, a message body, its changes (applied
+  in order to the tree the previous ones left), the CPU test files it makes
+  pass in-tree and a control among them that fails on vLLM as released:
   - ``NewFile``: a module of this package written whole at the upstream path it
     mirrors (``vllm_d3/x/y.py`` -> ``vllm/x/y.py``), its ``vllm_d3`` imports
     read as ``vllm`` ones and its ``"vllm."``-prefixed logger name as the plain
@@ -93,6 +94,10 @@ class Patch:
     title: str
     body: str
     changes: tuple[NewFile | Edit, ...]
+    tests: tuple[str, ...]
+    """The CPU test files this commit makes pass in-tree, without the plugin."""
+    control: str
+    """A test of ``tests`` that fails on vLLM as released, without the plugin."""
 
 
 def _git(repo: Path, *args: str) -> str:

@@ -144,8 +144,65 @@ class SnowflakeGteNewModelConfig(VerifyAndUpdateConfig):
 """,
         ),
     ),
+    tests=("tests/test_config.py",),
+    control="tests/test_config.py::test_prefix_bidir_contract",
 )
 
-SERIES: tuple[Patch, ...] = (CONTRACT,)
-#: The CPU tests that the series so far makes pass in-tree, without the plugin.
-IN_TREE_TESTS = ("tests/test_config.py",)
+_MIDDLEWARE = "vllm/entrypoints/serve/middleware/register.py"
+
+SYSTEMONE_BODIES = Patch(
+    title="[Frontend] /v1/systemone: compressed bodies and multipart asset uploads",
+    body="""\
+Existing /v1/systemone clients (the typesafe-sdk, 0.7.5) compress bodies of 1 KiB
+or more with zstd and send images as multipart/form-data; the route reads only
+plain application/json and answers 400 or 415 to both.
+
+SystemOneBodyMiddleware, a pure ASGI middleware for POST /v1/systemone only,
+hands the route the plain JSON it reads:
+
+- Content-Encoding zstd or gzip is decompressed as it arrives, capped at
+  VLLM_D3_MAX_BODY_BYTES decoded bytes (default 32 MiB; 413 past it, before
+  the rest is decompressed); any other encoding but identity is a 415.
+- A multipart form's "request" part is the JSON request; its "assets" map
+  names each image's part. A reference that is the whole state, or a whole
+  element of a state array, becomes the request's next image; every other use
+  is a 400 that names it, since the checkpoint runtime's placement of such
+  references is not public.
+
+It is added before the other middleware, so that CORS and the API key check
+wrap it. Every other route and every plain JSON body are untouched.""",
+    changes=(
+        NewFile("entrypoints/serve/middleware/systemone_body.py"),
+        Edit(
+            _MIDDLEWARE,
+            anchor="""\
+from .log_response import log_response
+""",
+            text="""\
+from .log_response import log_response
+from .systemone_body import add_systemone_body_middleware
+""",
+        ),
+        Edit(
+            _MIDDLEWARE,
+            anchor="""\
+    supported_tasks: tuple["SupportedTask", ...],
+):
+    app.add_middleware(
+        CORSMiddleware,
+""",
+            text="""\
+    supported_tasks: tuple["SupportedTask", ...],
+):
+    # First, so that the middleware added next (CORS, the API key) wraps it.
+    add_systemone_body_middleware(app)
+    app.add_middleware(
+        CORSMiddleware,
+""",
+        ),
+    ),
+    tests=("tests/test_systemone_body.py",),
+    control="tests/test_systemone_body.py::test_compressed_bodies",
+)
+
+SERIES: tuple[Patch, ...] = (CONTRACT, SYSTEMONE_BODIES)

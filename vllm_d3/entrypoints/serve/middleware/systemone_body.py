@@ -120,7 +120,7 @@ def add_systemone_body_middleware(app: FastAPI) -> None:
     limit = max_body_bytes()
     app.add_middleware(SystemOneBodyMiddleware, max_body_bytes=limit)
     logger.info(
-        "vllm-d3: %s also takes zstd and gzip bodies and multipart forms with "
+        "%s also takes zstd and gzip bodies and multipart forms with "
         "image assets, up to %d bytes decoded (%s)",
         ROUTE,
         limit,
