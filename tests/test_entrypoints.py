@@ -34,6 +34,7 @@ import vllm_d3
 from vllm_d3 import patches
 
 
+@pytest.mark.plugin
 def test_entry_point_is_declared():
     (plugin,) = [
         e for e in entry_points(group="vllm.general_plugins") if e.name == "d3"
@@ -42,6 +43,7 @@ def test_entry_point_is_declared():
     assert plugin.load() is vllm_d3.register
 
 
+@pytest.mark.plugin
 def test_vllm_loads_the_plugin_once_per_process():
     script = (
         "import logging; logging.basicConfig(level=logging.INFO)\n"
@@ -69,11 +71,13 @@ def test_vllm_loads_the_plugin_once_per_process():
     assert "model vllm_d3.model_executor.models.d3" in logs
 
 
+@pytest.mark.plugin
 @pytest.mark.parametrize("version", ["0.33.0", "0.33.1", "0.33.2.dev3+gabc"])
 def test_supported_vllm_versions(version):
     assert vllm_d3.check_vllm_version(version) is None
 
 
+@pytest.mark.plugin
 def test_other_vllm_versions_are_refused():
     # register() itself, in a fresh process whose vLLM reports another release.
     script = (
@@ -88,6 +92,7 @@ def test_other_vllm_versions_are_refused():
     assert "installed its D3 hooks" not in done.stdout + done.stderr
 
 
+@pytest.mark.plugin
 def test_patches_are_applied_once():
     vllm_d3.register()
     wrapped = [getattr(owner, name) for owner, name, _ in patches.PATCHES]

@@ -16,7 +16,9 @@ from vllm_d3.export import (
     NewFile,
     Patch,
     apply_patch,
+    export_series,
     installed_vllm,
+    patched_tree,
 )
 from vllm_d3.export.series import SERIES
 
@@ -134,6 +136,7 @@ def test_the_patched_tree_links_all_but_the_series_files(exported):
     ).read_text()
 
 
+PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs")
 PROBE = """
 import vllm, vllm_d3
 from vllm.plugins import load_general_plugins
@@ -160,20 +163,36 @@ def test_the_cpu_tests_pass_in_tree_without_the_plugin(exported):
     probe = in_tree(tree, "-c", PROBE)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == [str(tree / "vllm" / "__init__.py"), "[]"]
-    pytest_args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs"]
     tests = [test for patch in SERIES for test in patch.tests]
-    run = in_tree(tree, *pytest_args, *tests)
+    run = in_tree(tree, *PYTEST, *tests)
     assert run.returncode == 0, run.stdout[-3000:]
     # Only the tests of how the plugin reaches vLLM (and GPU tests) are skipped.
     skipped = [line for line in run.stdout.splitlines() if line.startswith("SKIPPED")]
     assert any("not loaded in-tree" in line for line in skipped)
     reasons = ("not loaded in-tree", "needs a CUDA GPU")
     assert all(any(reason in line for reason in reasons) for line in skipped)
-    # Controls: each commit's control fails on vLLM as released, no plugin.
-    control = in_tree(None, *pytest_args, *(patch.control for patch in SERIES))
-    failed = [line for line in control.stdout.splitlines() if line.startswith("FAILED")]
-    for patch in SERIES:
-        assert any(line.startswith(f"FAILED {patch.control}") for line in failed)
-    assert "unsupported decision_config.json attention_mode 'prefix_bidir'" in (
-        control.stdout
-    )
+
+
+@pytest.fixture(scope="module")
+def series_repo(tmp_path_factory):
+    """The repository the series is committed in."""
+    work = tmp_path_factory.mktemp("series")
+    export_series(work / "patches", work / "repo")
+    return work / "repo"
+
+
+@pytest.mark.parametrize("index", range(len(SERIES)))
+def test_each_commits_control_fails_without_it(series_repo, tmp_path, index):
+    # The tree with the commits before this one, no plugin: its control test
+    # fails there (in the test, not its set-up), and passes in the run above.
+    patch = SERIES[index]
+    tree = tmp_path / "tree"
+    before = patched_tree(series_repo, installed_vllm(), tree, commits=index)
+    run = in_tree(before, *PYTEST, patch.control)
+    assert run.returncode == 1, run.stdout[-3000:]
+    summary = [
+        line.split(" ", 1)[1]
+        for line in run.stdout.splitlines()
+        if line.startswith("FAILED ")
+    ]
+    assert any(test.startswith(patch.control) for test in summary)

@@ -4,23 +4,24 @@ are no-ops unless the served model is a D3 ``prefix_bidir`` checkpoint.
 1. ``PoolingIOProcessor.create_pooling_params``
    (vLLM 0.33.0 ``entrypoints/pooling/base/io_processor.py:77-78``): the online
    pooling endpoints (``/classify``, ``/pooling``) build ``PoolingParams`` from a
-   request's typed fields only. The wrapper carries the request field
-   ``d3_state_tokens`` (an int, or a list with one int per input) into
-   ``PoolingParams.extra_kwargs``. For a list it returns ``PerInputPoolingParams``,
-   one params per input, which vLLM's pooling serving takes as a sequence
-   (``base/io_processor.py:307-321``) and verifies through its ``verify``
-   (``base/serving.py:157-159`` calls ``verify`` on whatever this returned); a
-   list whose length is not the number of inputs is a 400 naming the field.
-   Upstream this is one field on the request protocols; no hook reaches it.
+   request's typed fields only. The wrapper passes them through
+   ``with_state_tokens`` (``entrypoints/pooling/d3_state_tokens.py``), which
+   carries the request field ``d3_state_tokens`` into ``extra_kwargs``; for a
+   list it returns one params per input, which vLLM's pooling serving takes as
+   a sequence (``base/io_processor.py:307-321``) and verifies through its
+   ``verify`` (``base/serving.py:157-159`` calls ``verify`` on whatever this
+   returned). Upstream this is one call in ``create_pooling_params``
+   (``vllm-d3 export-patches``); no hook reaches it.
 2. ``InputProcessor.process_inputs``
    (vLLM 0.33.0 ``v1/engine/input_processor.py:373``, where ``_validate_params``
    at ``:138-253`` never reads ``extra_kwargs``): every request of every entry point
    (``LLM.classify``, ``/classify``, ``/pooling``, ``/v1/systemone``) passes here
-   with its final prompt. The wrapper refuses a prefix_bidir request whose
-   ``d3_state_tokens`` is missing or invalid, or whose ``d3_question_ends`` (a
-   packed request's question blocks) is invalid, with a ``VLLMValidationError``
-   (a 400 online) naming the field, so no request ever runs with a silent single
-   block and a bad request never reaches the engine core.
+   with its final prompt. The wrapper checks it with ``check_state_blocks``
+   (``entrypoints/pooling/d3_state_tokens.py``): a prefix_bidir request whose
+   ``d3_state_tokens`` or ``d3_question_ends`` is missing or invalid is a
+   ``VLLMValidationError`` (a 400 online) naming the field, so no request ever
+   runs with a silent single block and a bad request never reaches the engine
+   core.
 3. ``init_entrypoints_middleware`` as ``entrypoints/launchers/app.py`` names it
    (vLLM 0.33.0 ``:10`` imports it; ``build_app`` calls it by that module-level
    name at ``:54``, after the API server loaded the plugins:
@@ -47,70 +48,23 @@ from typing import Any
 import vllm.entrypoints.launchers.app as launchers_app
 from fastapi import FastAPI
 from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
-from vllm.entrypoints.pooling.typing import PoolingCompletionLikeRequest
-from vllm.exceptions import VLLMValidationError
-from vllm.renderers.inputs.preprocess import prompt_to_seq
 from vllm.v1.engine.input_processor import InputProcessor
 
+from .entrypoints.pooling.d3_state_tokens import (
+    check_state_blocks,
+    with_state_tokens,
+)
 from .entrypoints.serve.middleware.systemone_body import (
     add_systemone_body_middleware,
-)
-from .model_executor.models.d3_contract import (
-    QUESTION_ENDS_KEY,
-    STATE_ONCE_KEY,
-    STATE_TOKENS_KEY,
-    decision_config_of,
-    is_prefix_bidir,
-    question_ends_of,
-    state_once_of,
-    state_tokens_of,
 )
 
 _MARK = "__vllm_d3_patch__"
 
 
-def _serves_prefix_bidir(model_config: Any) -> bool:
-    return is_prefix_bidir(decision_config_of(model_config.hf_config))
-
-
-def _with_state_tokens(params: Any, value: Any) -> Any:
-    params = params.clone()
-    params.extra_kwargs = {**(params.extra_kwargs or {}), STATE_TOKENS_KEY: value}
-    return params
-
-
-class PerInputPoolingParams(list):
-    """One ``PoolingParams`` per input of a pooling request."""
-
-    def verify(self, model_config: Any) -> None:
-        for params in self:
-            params.verify(model_config)
-
-
 def _wrap_create_pooling_params(original: Callable) -> Callable:
     @wraps(original)
     def create_pooling_params(self: PoolingIOProcessor, request: Any) -> Any:
-        params = original(self, request)
-        extra = getattr(request, "model_extra", None) or {}
-        if STATE_TOKENS_KEY not in extra or not _serves_prefix_bidir(self.model_config):
-            return params
-        value = extra[STATE_TOKENS_KEY]
-        if not isinstance(value, list):
-            return _with_state_tokens(params, value)
-        # A chat request is one input; a completion-like one has one per prompt.
-        inputs = (
-            len(prompt_to_seq(request.input))
-            if isinstance(request, PoolingCompletionLikeRequest)
-            else 1
-        )
-        if len(value) != inputs:
-            raise VLLMValidationError(
-                f"{STATE_TOKENS_KEY} has {len(value)} values for {inputs} inputs: "
-                "give one per input, or one int for all",
-                parameter=STATE_TOKENS_KEY,
-                value=value,
-            )
-        return PerInputPoolingParams(_with_state_tokens(params, v) for v in value)
+        return with_state_tokens(self.model_config, request, original(self, request))
 
     return create_pooling_params
 
@@ -119,32 +73,7 @@ def _wrap_process_inputs(original: Callable) -> Callable:
     @wraps(original)
     def process_inputs(self: InputProcessor, *args: Any, **kwargs: Any) -> Any:
         request = original(self, *args, **kwargs)
-        params = request.pooling_params
-        if params is None or not _serves_prefix_bidir(self.model_config):
-            return request
-        if request.prompt_token_ids is not None:
-            prompt_len = len(request.prompt_token_ids)
-        else:
-            prompt_len = int(request.prompt_embeds.shape[0])
-        extra = params.extra_kwargs or {}
-        try:
-            state_tokens = state_tokens_of(extra, prompt_len)
-        except ValueError as e:
-            raise VLLMValidationError(
-                str(e), parameter=STATE_TOKENS_KEY, value=extra.get(STATE_TOKENS_KEY)
-            ) from e
-        try:
-            ends = question_ends_of(extra, prompt_len, state_tokens)
-            if len(ends) > 1 and not state_once_of(self.vllm_config.additional_config):
-                # Ranged attention would let each question see the ones before it.
-                raise ValueError(
-                    f"this server reads one question per request ({STATE_ONCE_KEY} "
-                    f"is off): {QUESTION_ENDS_KEY} must hold one end"
-                )
-        except ValueError as e:
-            raise VLLMValidationError(
-                str(e), parameter=QUESTION_ENDS_KEY, value=extra.get(QUESTION_ENDS_KEY)
-            ) from e
+        check_state_blocks(self.vllm_config, request)
         return request
 
     return process_inputs

@@ -21,10 +21,11 @@ Contract:
   installed one when it is ``None``, committed as the base), one commit per
   patch on top, written to ``out`` by ``git format-patch``. Returns the patch
   files.
-- ``patched_tree(repo, installed, dst)``: a runnable copy of the installed
-  ``vllm`` package at ``dst/vllm``: links to every installed file (compiled
-  extensions included) except the files the series adds or changes, which are
-  the repository's. ``PYTHONPATH=dst`` then imports the patched vLLM.
+- ``patched_tree(repo, installed, dst, commits)``: a runnable copy of the
+  installed ``vllm`` package at ``dst/vllm``: links to every installed file
+  (compiled extensions included) except the files the series' first
+  ``commits`` patches (all by default) add or change, which are the
+  repository's after them. ``PYTHONPATH=dst`` then imports the patched vLLM.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class Patch:
     body: str
     changes: tuple[NewFile | Edit, ...]
     tests: tuple[str, ...]
-    """The CPU test files this commit makes pass in-tree, without the plugin."""
+    """The CPU test files this commit makes pass in-tree, without the plugin
+    (pytest arguments: a ``--deselect`` leaves out a test a later commit needs)."""
     control: str
     """A test of ``tests`` that fails on vLLM as released, without the plugin."""
 
@@ -177,16 +179,25 @@ def export_series(out: Path, repo: Path, vllm_src: Path | None = None) -> list[P
     return [Path(line) for line in written.splitlines()]
 
 
-def changed_files(repo: Path) -> list[str]:
-    """The files the series (the last commits of ``repo``) adds or changes."""
+def _series_commit(commits: int) -> str:
+    """The revision after the first ``commits`` patches of the series."""
     from .series import SERIES
 
-    return _git(repo, "diff", "--name-only", f"HEAD~{len(SERIES)}", "HEAD").split()
+    return f"HEAD~{len(SERIES) - commits}"
 
 
-def patched_tree(repo: Path, installed: Path, dst: Path) -> Path:
-    """``dst/vllm``: the installed package, linked file by file, with the
-    series' files from ``repo``. Returns ``dst``."""
+def patched_tree(
+    repo: Path, installed: Path, dst: Path, commits: int | None = None
+) -> Path:
+    """``dst/vllm``: the installed package, linked file by file, with the files
+    the first ``commits`` patches (default: all) add or change, as ``repo``
+    has them after those. Returns ``dst``."""
+    from .series import SERIES
+
+    base, rev = (
+        _series_commit(0),
+        _series_commit(len(SERIES) if commits is None else commits),
+    )
     package = dst / UPSTREAM
     for directory, subdirs, files in os.walk(installed):
         subdirs[:] = [d for d in subdirs if d != "__pycache__"]
@@ -194,9 +205,9 @@ def patched_tree(repo: Path, installed: Path, dst: Path) -> Path:
         here.mkdir(parents=True, exist_ok=True)
         for name in files:
             (here / name).symlink_to(Path(directory) / name)
-    for path in changed_files(repo):
+    for path in _git(repo, "diff", "--name-only", base, rev).split():
         target = dst / path
         target.unlink(missing_ok=True)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(repo / path, target)
+        target.write_text(_git(repo, "show", f"{rev}:{path}"))
     return dst

@@ -205,4 +205,94 @@ from .systemone_body import add_systemone_body_middleware
     control="tests/test_systemone_body.py::test_compressed_bodies",
 )
 
-SERIES: tuple[Patch, ...] = (CONTRACT, SYSTEMONE_BODIES)
+_IO_PROCESSOR = "vllm/entrypoints/pooling/base/io_processor.py"
+_INPUT_PROCESSOR = "vllm/v1/engine/input_processor.py"
+
+STATE_TOKENS = Patch(
+    title="[Frontend] D3: carry and check d3_state_tokens on every entry point",
+    body="""\
+A prefix_bidir prompt's attention mask depends on its state block size, which
+the prompt itself does not carry. Every entry point carries it in
+PoolingParams.extra_kwargs["d3_state_tokens"]:
+
+- /classify and /pooling take the request field d3_state_tokens (an int, or a
+  list with one int per input, which gives one PoolingParams per input);
+- LLM.classify takes PoolingParams(extra_kwargs={"d3_state_tokens": s}).
+
+The input processor checks every prefix_bidir request with its final prompt:
+a missing or invalid size, or invalid question blocks (d3_question_ends, for
+a request that packs several questions after one state), is a
+VLLMValidationError naming the field, so that no request runs with a silent
+single block and a bad one never reaches the engine core. Other models are
+untouched.""",
+    changes=(
+        NewFile("entrypoints/pooling/d3_state_tokens.py"),
+        Edit(
+            _IO_PROCESSOR,
+            anchor="""\
+from vllm.renderers.inputs.preprocess import parse_model_prompt, prompt_to_seq
+""",
+            text="""\
+from vllm.entrypoints.pooling.d3_state_tokens import with_state_tokens
+from vllm.renderers.inputs.preprocess import parse_model_prompt, prompt_to_seq
+""",
+        ),
+        Edit(
+            _IO_PROCESSOR,
+            anchor="""\
+    def create_pooling_params(self, request):
+        return request.to_pooling_params()
+""",
+            text="""\
+    def create_pooling_params(self, request):
+        return with_state_tokens(
+            self.model_config, request, request.to_pooling_params()
+        )
+""",
+        ),
+        Edit(
+            _INPUT_PROCESSOR,
+            anchor="""\
+from vllm.config import VllmConfig
+""",
+            text="""\
+from vllm.config import VllmConfig
+from vllm.entrypoints.pooling.d3_state_tokens import check_state_blocks
+""",
+        ),
+        Edit(
+            _INPUT_PROCESSOR,
+            anchor="""\
+        return EngineCoreRequest(
+""",
+            text="""\
+        request = EngineCoreRequest(
+""",
+        ),
+        Edit(
+            _INPUT_PROCESSOR,
+            anchor="""\
+            kv_hints=kv_hints,
+        )
+
+    def _validate_prompt_len(
+""",
+            text="""\
+            kv_hints=kv_hints,
+        )
+        check_state_blocks(self.vllm_config, request)
+        return request
+
+    def _validate_prompt_len(
+""",
+        ),
+    ),
+    # Packed requests need the state-once decision, a later commit's.
+    tests=(
+        "tests/test_entrypoints.py",
+        "--deselect=tests/test_entrypoints.py::test_packed_requests_need_state_once",
+    ),
+    control="tests/test_entrypoints.py::test_bad_state_tokens_are_client_errors",
+)
+
+SERIES: tuple[Patch, ...] = (CONTRACT, SYSTEMONE_BODIES, STATE_TOKENS)
