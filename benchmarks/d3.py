@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.d3 --out DIR [--smoke] [--rows PATTERNS] [--sides SIDES]
 [--repeats N] [--long-repeats N] [--warmup N] [--vllm-long-warmup N]
-[--time-budget SECONDS] [--serve-arg=FLAG ...] ...``
+[--time-budget SECONDS] [--one-server] [--serve-arg=FLAG ...] ...``
 
 Contract:
 - Default (GPU) mode: a weight-less d3-turbo package (the exact Qwen3.5-27B
@@ -162,6 +162,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--one-server",
+        action="store_true",
+        help=f"one server per side, --max-model-len {LONG_MAX_MODEL_LEN}, for "
+        "every row and load",
+    )
+    parser.add_argument(
         "--serve-arg",
         action="append",
         default=[],
@@ -245,21 +251,21 @@ def server_groups(
     rows: list[Row],
     loads: list[Load],
     serve_args: list[str] | None = None,
+    one_server: bool = False,
 ) -> list[tuple[str, str, list[str], list[Row], list[Load]]]:
     """(side, server name, extra flags, rows, loads) of each vLLM server to
-    start, in order: the default server of each side, then the long ones;
+    start, in order: the default server of each side, then the long ones (with
+    ``one_server``, a single long server of each side for everything);
     ``serve_args`` end every server's flags."""
+    long_flags = ["--max-model-len", str(LONG_MAX_MODEL_LEN)]
     # The smoke run's scaled long states fit the default server.
     separate_long = not smoke
     groups = [
         ("default", [], [r for r in rows if not (separate_long and r.long)], loads),
-        (
-            "long",
-            ["--max-model-len", str(LONG_MAX_MODEL_LEN)],
-            [r for r in rows if separate_long and r.long],
-            [],
-        ),
+        ("long", long_flags, [r for r in rows if separate_long and r.long], []),
     ]
+    if one_server:
+        groups = [("one", long_flags, rows, loads)]
     return [
         (
             side,
@@ -321,7 +327,9 @@ def _run_vllm(
         )
         for mix in sorted({load.mix for load in loads})
     }
-    groups = server_groups(args.smoke, sides, rows, loads, args.serve_arg)
+    groups = server_groups(
+        args.smoke, sides, rows, loads, args.serve_arg, args.one_server
+    )
     for side, name, flags, group_rows, group_loads in groups:
         if budget.exhausted():
             for row in group_rows:

@@ -276,6 +276,26 @@ def test_each_vllm_server_has_a_per_question_twin():
     ]
 
 
+def test_one_server_per_side_serves_everything_at_the_long_length():
+    rows = [ROWS_BY_ID["text-1"], ROWS_BY_ID["state-24k"]]
+    loads = [Load("tput-text-8", "text", 8)]
+    sides = ["vllm", "vllm_per_question"]
+    groups = d3.server_groups(False, sides, rows, loads, ["--x=1"], one_server=True)
+    long_flags = ["--max-model-len", "131072"]
+    assert [(side, name, flags) for side, name, flags, _, _ in groups] == [
+        ("vllm", "one", [*long_flags, "--x=1"]),
+        (
+            "vllm_per_question",
+            "one-per-question",
+            [*long_flags, *PER_QUESTION_FLAGS, "--x=1"],
+        ),
+    ]
+    assert all(group_rows == rows for _, _, _, group_rows, _ in groups)
+    assert all(group_loads == loads for *_, group_loads in groups)
+    assert d3.parse_args(["--out", "x", "--one-server"]).one_server is True
+    assert d3.parse_args(["--out", "x"]).one_server is False
+
+
 def test_sides_default_to_all_three():
     assert d3.parse_args(["--out", "x"]).sides == [
         "vllm",
