@@ -260,12 +260,14 @@ def server_groups(
     long_flags = ["--max-model-len", str(LONG_MAX_MODEL_LEN)]
     # The smoke run's scaled long states fit the default server.
     separate_long = not smoke
-    groups = [
-        ("default", [], [r for r in rows if not (separate_long and r.long)], loads),
-        ("long", long_flags, [r for r in rows if separate_long and r.long], []),
-    ]
-    if one_server:
-        groups = [("one", long_flags, rows, loads)]
+    groups = (
+        [("one", long_flags, rows, loads)]
+        if one_server
+        else [
+            ("default", [], [r for r in rows if not (separate_long and r.long)], loads),
+            ("long", long_flags, [r for r in rows if separate_long and r.long], []),
+        ]
+    )
     return [
         (
             side,

@@ -35,7 +35,6 @@ import shlex
 import subprocess
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -138,7 +137,7 @@ def engine_totals(url: str) -> dict[str, tuple[float, float]]:
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
             text = response.read().decode()
-    except (OSError, urllib.error.URLError):
+    except OSError:  # urllib's URLError among them
         return {}
     samples: dict[str, float] = {}
     for line in text.splitlines():

@@ -103,12 +103,12 @@ class Patch:
 
 
 def _git(repo: Path, *args: str) -> str:
+    # AUTHOR, where git's environment names nobody.
+    name, email = AUTHOR
     env = {
+        **{f"GIT_{who}_NAME": name for who in ("AUTHOR", "COMMITTER")},
+        **{f"GIT_{who}_EMAIL": email for who in ("AUTHOR", "COMMITTER")},
         **os.environ,
-        "GIT_AUTHOR_NAME": os.environ.get("GIT_AUTHOR_NAME", AUTHOR[0]),
-        "GIT_AUTHOR_EMAIL": os.environ.get("GIT_AUTHOR_EMAIL", AUTHOR[1]),
-        "GIT_COMMITTER_NAME": os.environ.get("GIT_COMMITTER_NAME", AUTHOR[0]),
-        "GIT_COMMITTER_EMAIL": os.environ.get("GIT_COMMITTER_EMAIL", AUTHOR[1]),
     }
     done = subprocess.run(
         ["git", "-C", str(repo), *args],
