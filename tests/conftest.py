@@ -8,7 +8,10 @@ in-tree, against vLLM with the upstream patch series applied and no plugin
 loaded (``VLLM_D3_IN_TREE=1``, ``tests/test_export.py``).
 """
 
+import importlib
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -22,6 +25,16 @@ if not torch.cuda.is_available():
 
 #: Set by tests/test_export.py for its in-tree run.
 IN_TREE = os.environ.get("VLLM_D3_IN_TREE") == "1"
+
+if IN_TREE:
+    from vllm_d3.export import in_tree_modules
+
+    # The tests import the package's modules; in-tree, the vLLM files the series
+    # made of them stand in their place (those a later commit adds stay the
+    # package's, which the plugin-only modules also import).
+    for plugin_name, upstream_name in in_tree_modules().items():
+        if importlib.util.find_spec(upstream_name) is not None:
+            sys.modules[plugin_name] = importlib.import_module(upstream_name)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,7 @@ vLLM 0.33.0: exported, applied with ``git am`` and run in-tree with this plugin
 not loaded (``VLLM_PLUGINS=""``, vLLM's allow-list of plugin names)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from vllm_d3.export import (
     Patch,
     apply_patch,
     export_series,
+    in_tree_modules,
     installed_vllm,
     patched_tree,
 )
@@ -99,6 +101,22 @@ def test_new_files_are_whole_modules_read_as_upstream():
     assert "logger = init_logger(__name__)" in text
     assert "logger = init_logger(__name__)" not in own
     assert text.count("\n") == own.count("\n") - 1  # the logger's comment
+
+
+def test_new_files_import_only_what_the_series_puts_in_vllm():
+    # A NewFile's package imports become vllm imports: each must name a module
+    # the series adds, or one whose edits the plugin backports.
+    in_tree = in_tree_modules()
+    for patch in SERIES:
+        for change in patch.changes:
+            if not isinstance(change, NewFile):
+                continue
+            source = (ROOT / "vllm_d3" / change.module).read_text()
+            for name in re.findall(r"^from (vllm_d3\.\S+) import", source, re.M):
+                assert name in in_tree, f"{change.module} imports {name}"
+    assert in_tree["vllm_d3.v1.worker.gpu.model_states.mamba_hybrid"] == (
+        "vllm.v1.worker.gpu.model_states.mamba_hybrid"
+    )
 
 
 @pytest.mark.parametrize(

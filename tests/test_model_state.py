@@ -8,27 +8,18 @@ sequences (cu_seqlens, seqused_k, block-table rows) are what FlashAttention read
 """
 
 import inspect
-import socket
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config import set_current_vllm_config
 from vllm.config.compilation import CUDAGraphMode
-from vllm.distributed import (
-    cleanup_dist_env_and_memory,
-    init_distributed_environment,
-    initialize_model_parallel,
-)
-from vllm.engine.arg_utils import EngineArgs
 from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.models import d3 as upstream_d3
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.pooling_params import PoolingParams
-from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -38,8 +29,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.pool.metadata import PoolingMetadata, PoolingStates
 from vllm.v1.worker.gpu import warmup as gpu_warmup
-from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
-from vllm.v1.worker.gpu.mm.rope import RopeState
 from vllm.v1.worker.gpu.model_states import default as default_model_state
 from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
@@ -51,6 +40,15 @@ from vllm_d3.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     restart_questions_from_state,
     step_phases,
 )
+from vllm_d3.testing.model_runner import (
+    CPU,
+    CpuRopeState,
+    attention_metadata,
+    build_model,
+    prefill_batch,
+    single_process_group,
+    vllm_config_for,
+)
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3PrefixBidirAttentionBackend,
 )
@@ -59,34 +57,11 @@ from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import (
     D3PrefixBidirModelState,
 )
 
-CPU = torch.device("cpu")
-
 
 @pytest.fixture(scope="module", autouse=True)
-def single_process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            local_rank=0,
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
-    yield
-    cleanup_dist_env_and_memory()
-
-
-def vllm_config_for(path: str):
-    return EngineArgs(model=path, max_model_len=4096).create_engine_config()
-
-
-def build_model(model_cls, config):
-    with set_current_vllm_config(config):
-        return model_cls(vllm_config=config)
+def process_group():
+    with single_process_group():
+        yield
 
 
 @pytest.mark.parametrize(
@@ -133,38 +108,6 @@ def new_request(req_id: str, prompt_len: int, extra) -> NewRequestData:
     )
 
 
-class StagedPositions:
-    """Stands in for ``RopeState``'s pinned-memory buffer (which needs a GPU
-    driver): keeps what is staged, position by position."""
-
-    def __init__(self) -> None:
-        self.rows: dict[int, dict[int, int]] = {}
-
-    def stage_write(self, index: int, start: int, values) -> None:
-        row = self.rows.setdefault(index, {})
-        for offset, value in enumerate(values):
-            row[start + offset] = value
-
-
-class CpuRopeState(RopeState):
-    """vLLM's ``RopeState`` (its real ``init_prefill_positions``, which calls the
-    model's own M-RoPE) over ``StagedPositions``."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.num_dims = 3
-        self.prefill_positions = StagedPositions()
-        self.prefill_delta = SimpleNamespace(np=np.zeros(8, dtype=np.int32))
-
-    def staged(self, req_index: int, length: int) -> torch.Tensor:
-        rows = self.prefill_positions.rows
-        return torch.tensor(
-            [
-                [rows[3 * req_index + axis][t] for t in range(length)]
-                for axis in range(3)
-            ]
-        )
-
-
 @pytest.fixture
 def state(make_checkpoint, monkeypatch):
     monkeypatch.setattr(default_model_state, "get_rope_state", CpuRopeState)
@@ -175,68 +118,6 @@ def state(make_checkpoint, monkeypatch):
     model = build_model(model_cls, config)
     with set_current_vllm_config(config):
         yield D3PrefixBidirModelState(config, model, None, CPU), config
-
-
-def prefill_batch(req_ids, prompt_lens) -> InputBatch:
-    """One step that schedules each prompt whole, as the runner schedules D3
-    prompts (the dummy batch splits its tokens evenly instead)."""
-    lens = np.asarray(prompt_lens, dtype=np.int32)
-    batch = InputBatch.make_dummy(
-        len(req_ids), int(lens.sum()), InputBuffers(8, 256, CPU)
-    )
-    batch.req_ids[:] = req_ids
-    batch.num_scheduled_tokens[:] = lens
-    batch.query_start_loc_np[1:] = np.cumsum(lens)
-    batch.query_start_loc.copy_(torch.from_numpy(batch.query_start_loc_np))
-    batch.seq_lens.copy_(torch.from_numpy(lens))
-    batch.seq_lens_cpu_upper_bound.copy_(torch.from_numpy(lens))
-    batch.max_query_len = int(lens.max())
-    return batch
-
-
-def attention_metadata(
-    state_and_config, req_ids, prompt_lens, backend=TritonAttentionBackend
-):
-    """Run the state's prepare_attn over one prefill batch of whole prompts."""
-    model_state, config = state_and_config
-    spec = FullAttentionSpec(
-        block_size=16, num_kv_heads=1, head_size=256, dtype=torch.bfloat16
-    )
-    # One of the model's own full-attention layers (the composite's routing
-    # reads the layers of its group).
-    layer = next(
-        name
-        for name, module in config.compilation_config.static_forward_context.items()
-        if isinstance(module, Attention)
-    )
-    group = AttentionGroup(
-        backend=backend,
-        layer_names=[layer],
-        kv_cache_spec=spec,
-        kv_cache_group_id=0,
-    )
-    group.create_metadata_builders(config, CPU)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=64,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec([layer], spec)],
-    )
-    num_tokens = sum(prompt_lens)
-    batch = prefill_batch(req_ids, prompt_lens)
-    with set_current_vllm_config(config):
-        metadata = model_state.prepare_attn(
-            batch,
-            CUDAGraphMode.NONE,
-            # Row r's blocks are 100 r, 100 r + 1, ...: each row is recognisable.
-            (
-                100 * torch.arange(len(req_ids), dtype=torch.int32)[:, None]
-                + torch.arange(16, dtype=torch.int32),
-            ),
-            torch.zeros(1, num_tokens, dtype=torch.int64),
-            [[group]],
-            kv_cache_config,
-        )
-    return metadata[layer]
 
 
 def dense_mask(ranges: list[tuple[int, int]], n: int) -> torch.Tensor:
@@ -385,9 +266,12 @@ def test_hybrid_cache_dense_attention_beside_a_causal_gdn(state, for_capture):
     for index, (req_id, (n, s)) in enumerate(requests.items()):
         model_state.add_request(index, new_request(req_id, n, {"d3_state_tokens": s}))
     order = ["b", "a"]
-    full, scan, _ = hybrid_metadata(
-        state, order, [requests[r][0] for r in order], [3, 5], for_capture
-    )
+    prompt_lens = [requests[r][0] for r in order]
+    if for_capture:
+        # Graph capture runs dummy rows that were never added, named as vLLM
+        # names them (v1/worker/gpu/input_batch.py: f"req_{i}_{random_uuid()}").
+        order = [f"req_{i}_capture" for i in range(len(order))]
+    full, scan, _ = hybrid_metadata(state, order, prompt_lens, [3, 5], for_capture)
     if for_capture:
         # Graph capture gets no ranges: plain causal attention over the rows.
         assert full.causal is True

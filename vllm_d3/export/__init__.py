@@ -15,6 +15,12 @@ Contract:
     must occur exactly once; otherwise ``ExportError`` names the file and the
     anchor, so that a 0.33.x release that moved the code stops the export
     instead of producing a wrong patch.
+  - ``backports``: the modules of this package that give the plugin a commit's
+    edits (a hook vLLM 0.33.0 lacks), each at the path of the file it stands
+    for; a new file that imports one imports the upstream file in-tree.
+- ``in_tree_modules()``: every module of this package that the series puts
+  into vLLM, by its upstream name; the in-tree test run imports those in their
+  place (``tests/conftest.py``).
 - ``export_series(out, repo, vllm_src)``: a git repository of vLLM at ``repo``
   (a clone of ``vllm_src`` when it is a git checkout; otherwise the
   ``.py`` files of the ``vllm`` package that ``vllm_src`` holds, or of the
@@ -100,6 +106,30 @@ class Patch:
     (pytest arguments: a ``--deselect`` leaves out a test a later commit needs)."""
     control: str
     """A test of ``tests`` that fails on vLLM as released, without the plugin."""
+    backports: tuple[str, ...] = ()
+    """Modules of this package that give the plugin this commit's edits on vLLM
+    as released, each at the path of the upstream file it stands for; in-tree
+    that file is imported in its place (``in_tree_modules``)."""
+
+
+def _module_name(package: str, module: str) -> str:
+    return f"{package}.{module.removesuffix('.py').replace('/', '.')}"
+
+
+def in_tree_modules() -> dict[str, str]:
+    """Each module of this package that the series puts into vLLM (its new files
+    and the backports of its edits), by the upstream module that is it in-tree.
+    A NewFile's imports of these modules read as imports of those."""
+    from .series import SERIES
+
+    return {
+        _module_name(PACKAGE, module): _module_name(UPSTREAM, module)
+        for patch in SERIES
+        for module in (
+            *(c.module for c in patch.changes if isinstance(c, NewFile)),
+            *patch.backports,
+        )
+    }
 
 
 def _git(repo: Path, *args: str) -> str:

@@ -295,4 +295,107 @@ from vllm.entrypoints.pooling.d3_state_tokens import check_state_blocks
     control="tests/test_entrypoints.py::test_bad_state_tokens_are_client_errors",
 )
 
-SERIES: tuple[Patch, ...] = (CONTRACT, SYSTEMONE_BODIES, STATE_TOKENS)
+_DEFAULT_STATE = "vllm/v1/worker/gpu/model_states/default.py"
+_HYBRID_STATE = "vllm/v1/worker/gpu/model_states/mamba_hybrid.py"
+
+PREFIX_RANGES_HOOK = Patch(
+    title="[Core] Model Runner V2: a get_mm_prefix_ranges hook for PrefixLM ranges",
+    body="""\
+DefaultModelState.prepare_attn computes each request's PrefixLM ranges (the
+bidirectional image and video spans of is_mm_prefix_lm models) inline, and
+MambaHybridModelState.prepare_attn passes none at all, so a hybrid model with
+ranges of its own has no way to hand them to its attention backends.
+
+Move the computation into DefaultModelState.get_mm_prefix_ranges(input_batch),
+unchanged, and call it from both prepare_attn methods. The default keeps what
+every model gets today; for hybrid models it returns what the default state
+computes (None unless the model is an is_mm_prefix_lm multimodal model), and
+Mamba metadata builders do not read ranges. A model state that knows its
+requests' ranges overrides the hook (the D3 prefix_bidir state, next).""",
+    changes=(
+        Edit(
+            _DEFAULT_STATE,
+            anchor="""\
+    def prepare_attn(
+        self,
+        input_batch: InputBatch,
+""",
+            text="""\
+    def get_mm_prefix_ranges(
+        self, input_batch: InputBatch
+    ) -> dict[int, list[tuple[int, int]]] | None:
+        \"\"\"Per batch row, the PrefixLM ranges attention reads both ways
+        (inclusive ends), or None.\"\"\"
+        if not (
+            self.supports_mm_inputs
+            and self.encoder_cache is not None
+            and self.model_config.is_mm_prefix_lm
+        ):
+            return None
+        mm_features = self.encoder_cache.mm_features
+        hf_text_config = self.model_config.hf_text_config
+        return compute_mm_prefix_ranges(
+            [mm_features.get(req_id, ()) for req_id in input_batch.req_ids],
+            sliding_window=self.model_config.get_sliding_window(),
+            clamp_sliding_window=getattr(
+                self.model, "mm_prefix_clamp_sliding_window", False
+            )
+            or getattr(hf_text_config, "mm_prefix_clamp_sliding_window", False),
+            span_pad=getattr(self.model, "mm_prefix_span_leading_pad_modulus", 0),
+        )
+
+    def prepare_attn(
+        self,
+        input_batch: InputBatch,
+""",
+        ),
+        Edit(
+            _DEFAULT_STATE,
+            anchor="""\
+        req_doc_ranges: dict[int, list[tuple[int, int]]] | None = None
+        if (
+            self.supports_mm_inputs
+            and self.encoder_cache is not None
+            and self.model_config.is_mm_prefix_lm
+        ):
+            mm_features = self.encoder_cache.mm_features
+            hf_text_config = self.model_config.hf_text_config
+            req_doc_ranges = compute_mm_prefix_ranges(
+                [mm_features.get(req_id, ()) for req_id in input_batch.req_ids],
+                sliding_window=self.model_config.get_sliding_window(),
+                clamp_sliding_window=getattr(
+                    self.model, "mm_prefix_clamp_sliding_window", False
+                )
+                or getattr(hf_text_config, "mm_prefix_clamp_sliding_window", False),
+                span_pad=getattr(self.model, "mm_prefix_span_leading_pad_modulus", 0),
+            )
+""",
+            text="""\
+        req_doc_ranges = self.get_mm_prefix_ranges(input_batch)
+""",
+        ),
+        Edit(
+            _HYBRID_STATE,
+            anchor="""\
+            positions=input_batch.positions,
+            model_specific_attn_metadata=mamba_attn_metadata,
+""",
+            text="""\
+            positions=input_batch.positions,
+            mm_req_doc_ranges=self.get_mm_prefix_ranges(input_batch),
+            model_specific_attn_metadata=mamba_attn_metadata,
+""",
+        ),
+    ),
+    tests=("tests/test_model_state_hook.py",),
+    control="tests/test_model_state_hook.py::"
+    "test_the_hooks_ranges_reach_the_attention_builder",
+    backports=("v1/worker/gpu/model_states/mamba_hybrid.py",),
+)
+
+SERIES: tuple[Patch, ...] = (
+    CONTRACT,
+    SYSTEMONE_BODIES,
+    STATE_TOKENS,
+    PREFIX_RANGES_HOOK,
+)

@@ -270,6 +270,10 @@ def state_once_of(additional_config: Any) -> bool:
     return value
 
 
+#: Per batch row, the ranges ``StateBlock.ranges`` gives (inclusive ends).
+PrefixRanges = dict[int, list[tuple[int, int]]]
+
+
 @dataclass(frozen=True)
 class StateBlock:
     """A request's state block size and where its question blocks end

@@ -27,13 +27,13 @@ spec-decode counters) is kept as it is. On top of it:
   (each reads the state and itself), which only the dense-piece backend runs.
   No image ranges are added: they lie inside the state block and ranges must
   not overlap.
-- ``prepare_attn`` hands those ranges to the attention (non-Mamba) groups' metadata
-  builders. 0.33.0's hybrid ``prepare_attn`` passes no ranges at all, and has no
-  parameter for them, so the groups it builds are wrapped (``_RangedAttentionGroup``)
-  to set ``CommonAttentionMetadata.mm_req_doc_ranges`` before their builder runs.
-  Gated DeltaNet groups never read ranges and stay causal; in a step with packed
-  rows their metadata also carries the two phases that restart every question
-  from the state (``model_executor/layers/mamba/gdn``).
+- ``get_mm_prefix_ranges`` returns those ranges for the step's rows (``None``
+  when no row has any: the runner's dummy rows), and the hybrid state's
+  ``prepare_attn`` hands them to the attention groups' metadata builders (the
+  hook of ``model_states/mamba_hybrid.py``). Gated DeltaNet groups never read
+  ranges and stay causal; in a step with packed rows ``prepare_attn`` gives
+  their metadata the two phases that restart every question from the state
+  (``model_executor/layers/mamba/gdn``).
 """
 
 from dataclasses import replace
@@ -42,13 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
-from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.model_states.interface import ModelSpecificAttnMetadata
-from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.utils import AttentionGroup
 
 from vllm_d3.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
@@ -57,32 +55,16 @@ from vllm_d3.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     step_phases,
 )
 from vllm_d3.model_executor.models.d3_contract import (
+    PrefixRanges,
     StateBlock,
     question_ends_of,
     state_tokens_of,
 )
+from vllm_d3.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 
-PrefixRanges = dict[int, list[tuple[int, int]]]
 #: How vLLM 0.33.0 names the dummy requests of its kernel warm-up
 #: (``v1/worker/gpu/warmup.py``: ``req_ids = [f"_warmup_{i}_" ...]``).
 WARMUP_REQUEST_PREFIX = "_warmup_"
-
-
-class _RangedAttentionGroup:
-    """An attention group whose metadata carries this step's PrefixLM ranges."""
-
-    def __init__(self, group: AttentionGroup, ranges: PrefixRanges) -> None:
-        self._group = group
-        self._ranges = ranges
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._group, name)
-
-    def build_metadata(
-        self, common_attn_metadata: CommonAttentionMetadata, *args: Any, **kwargs: Any
-    ) -> Any:
-        common_attn_metadata.mm_req_doc_ranges = self._ranges
-        return self._group.build_metadata(common_attn_metadata, *args, **kwargs)
 
 
 class D3PrefixBidirModelState(MambaHybridModelState):
@@ -150,6 +132,9 @@ class D3PrefixBidirModelState(MambaHybridModelState):
                 ranges[row] = block.ranges()
         return ranges
 
+    def get_mm_prefix_ranges(self, input_batch: InputBatch) -> PrefixRanges | None:
+        return self.prefix_ranges(input_batch.req_ids) or None
+
     def packed_rows(self, input_batch: InputBatch) -> list[PackedRow]:
         rows = []
         starts = input_batch.query_start_loc_np
@@ -174,17 +159,6 @@ class D3PrefixBidirModelState(MambaHybridModelState):
         ubatch_idx: int = 0,
         model_specific_attn_metadata: ModelSpecificAttnMetadata | None = None,
     ) -> dict[str, Any]:
-        ranges = self.prefix_ranges(input_batch.req_ids)
-        if ranges and not for_capture:
-            attn_groups = [
-                [
-                    group
-                    if isinstance(group.kv_cache_spec, MambaSpec)
-                    else _RangedAttentionGroup(group, ranges)  # type: ignore[misc]
-                    for group in groups
-                ]
-                for groups in attn_groups
-            ]
         attn_metadata = super().prepare_attn(
             input_batch,
             cudagraph_mode,

@@ -1,0 +1,172 @@
+"""A Model Runner V2 model state on the CPU, for tests of what it hands the
+attention metadata builders.
+
+- ``single_process_group()``: vLLM's distributed state for one process (gloo);
+- ``vllm_config_for(path)`` and ``build_model(model_cls, config)``: the engine
+  config ``vllm serve path`` builds, and a model built under it;
+- ``CpuRopeState``: vLLM's ``RopeState`` (its real ``init_prefill_positions``)
+  over a plain record of the staged positions, where vLLM's pinned buffer needs
+  a GPU driver; install it as ``default.get_rope_state`` before building a state;
+- ``prefill_batch(req_ids, prompt_lens)``: one step scheduling each prompt
+  whole, as the runner schedules D3 prompts;
+- ``attention_metadata(state_and_config, req_ids, prompt_lens, backend)``: the
+  state's ``prepare_attn`` over such a step, through vLLM's
+  ``build_attn_metadata`` into ``backend``'s real builder for one of the
+  model's full-attention layers; returns that layer's metadata.
+"""
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config.compilation import CUDAGraphMode
+from vllm.distributed import (
+    cleanup_dist_env_and_memory,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.attention.attention import Attention
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+from vllm.v1.worker.gpu.mm.rope import RopeState
+from vllm.v1.worker.utils import AttentionGroup
+
+CPU = torch.device("cpu")
+
+
+@contextmanager
+def single_process_group() -> Iterator[None]:
+    """vLLM's distributed state for one CPU process (gloo), torn down after."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=0,
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        cleanup_dist_env_and_memory()
+
+
+def vllm_config_for(path: str):
+    return EngineArgs(model=path, max_model_len=4096).create_engine_config()
+
+
+def build_model(model_cls, config):
+    with set_current_vllm_config(config):
+        return model_cls(vllm_config=config)
+
+
+class StagedPositions:
+    """Stands in for ``RopeState``'s pinned-memory buffer (which needs a GPU
+    driver): keeps what is staged, position by position."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[int, int]] = {}
+
+    def stage_write(self, index: int, start: int, values) -> None:
+        row = self.rows.setdefault(index, {})
+        for offset, value in enumerate(values):
+            row[start + offset] = value
+
+
+class CpuRopeState(RopeState):
+    """vLLM's ``RopeState`` (its real ``init_prefill_positions``, which calls the
+    model's own M-RoPE) over ``StagedPositions``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.num_dims = 3
+        self.staged_positions = StagedPositions()
+        # Where vLLM's state has its pinned buffers: what its methods call.
+        self.prefill_positions = self.staged_positions  # type: ignore[assignment]
+        self.prefill_delta = SimpleNamespace(  # type: ignore[assignment]
+            np=np.zeros(8, dtype=np.int32)
+        )
+
+    def staged(self, req_index: int, length: int) -> torch.Tensor:
+        rows = self.staged_positions.rows
+        return torch.tensor(
+            [
+                [rows[3 * req_index + axis][t] for t in range(length)]
+                for axis in range(3)
+            ]
+        )
+
+
+def prefill_batch(req_ids, prompt_lens) -> InputBatch:
+    """One step that schedules each prompt whole, as the runner schedules D3
+    prompts (the dummy batch splits its tokens evenly instead)."""
+    lens = np.asarray(prompt_lens, dtype=np.int32)
+    batch = InputBatch.make_dummy(
+        len(req_ids), int(lens.sum()), InputBuffers(8, 256, CPU)
+    )
+    batch.req_ids[:] = req_ids
+    batch.num_scheduled_tokens[:] = lens
+    batch.query_start_loc_np[1:] = np.cumsum(lens)
+    batch.query_start_loc.copy_(torch.from_numpy(batch.query_start_loc_np))
+    batch.seq_lens.copy_(torch.from_numpy(lens))
+    batch.seq_lens_cpu_upper_bound.copy_(torch.from_numpy(lens))
+    batch.max_query_len = int(lens.max())
+    return batch
+
+
+def attention_metadata(
+    state_and_config, req_ids, prompt_lens, backend=TritonAttentionBackend
+):
+    """Run the state's prepare_attn over one prefill batch of whole prompts."""
+    model_state, config = state_and_config
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=256, dtype=torch.bfloat16
+    )
+    # One of the model's own full-attention layers (the composite's routing
+    # reads the layers of its group).
+    layer = next(
+        name
+        for name, module in config.compilation_config.static_forward_context.items()
+        if isinstance(module, Attention)
+    )
+    group = AttentionGroup(
+        backend=backend,
+        layer_names=[layer],
+        kv_cache_spec=spec,
+        kv_cache_group_id=0,
+    )
+    group.create_metadata_builders(config, CPU)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([layer], spec)],
+    )
+    num_tokens = sum(prompt_lens)
+    batch = prefill_batch(req_ids, prompt_lens)
+    with set_current_vllm_config(config):
+        metadata = model_state.prepare_attn(
+            batch,
+            CUDAGraphMode.NONE,
+            # Row r's blocks are 100 r, 100 r + 1, ...: each row is recognisable.
+            (
+                100 * torch.arange(len(req_ids), dtype=torch.int32)[:, None]
+                + torch.arange(16, dtype=torch.int32),
+            ),
+            torch.zeros(1, num_tokens, dtype=torch.int64),
+            [[group]],
+            kv_cache_config,
+        )
+    return metadata[layer]
