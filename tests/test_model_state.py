@@ -17,6 +17,9 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    QwenGatedDeltaNetAttention,
+)
 from vllm.model_executor.models import d3 as upstream_d3
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.pooling_params import PoolingParams
@@ -34,12 +37,14 @@ from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.utils import AttentionGroup
 
-from vllm_d3.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+from vllm_d3.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     PackedRow,
+    forward_packed_questions,
     packed_gdn_metadata,
-    restart_questions_from_state,
     step_phases,
 )
+from vllm_d3.model_executor.models.d3 import D3ForSequenceClassification
 from vllm_d3.testing.model_runner import (
     CPU,
     CpuRopeState,
@@ -77,7 +82,7 @@ def test_model_state_resolution(make_checkpoint, mode, expected):
     config = vllm_config_for(path)
     arch = config.model_config.architectures
     model_cls, _ = ModelRegistry.resolve_model_cls(arch, config.model_config)
-    assert model_cls.__module__ == "vllm_d3.model_executor.models.d3"
+    assert model_cls is D3ForSequenceClassification
     model = build_model(model_cls, config)
     resolved = resolve_model_state_cls(config, model)
     if mode == "prefix_bidir":
@@ -384,11 +389,17 @@ class ScanLayer:
     metadata and state the way 0.33.0's does, with a scalar recurrence
     ``h = h / 2 + x`` per sequence (from the slot's state when it has one)."""
 
-    def __init__(self, prefix: str, slots: int) -> None:
+    def __init__(self, prefix: str, slots: int, restart: bool) -> None:
         self.prefix = prefix
         self.kv_cache = (torch.zeros(slots, 3, 1), torch.zeros(slots, 1))
+        self.restart = restart
 
     def _forward_core(self, mixed_qkv, b, a, core_attn_out) -> None:
+        # What the series adds at the top of 0.33.0's method.
+        if self.restart and forward_packed_questions(
+            self, self._forward_core, mixed_qkv, b, a, core_attn_out
+        ):
+            return
         metadata = get_forward_context().attn_metadata[self.prefix]
         starts = metadata.non_spec_query_start_loc.tolist()
         slots = metadata.non_spec_state_indices_tensor.tolist()
@@ -419,17 +430,18 @@ STEP = [
 ]
 
 
-def scan_step(state, restart: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and outputs of one GDN-like layer over ``STEP``."""
+def scan_step(state, restart: bool, wrap=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and outputs of one GDN-like layer over ``STEP`` (``wrap``, if
+    given, is applied to the layer first)."""
     model_state, config = state
     for index, (req_id, n, extra, _) in enumerate(STEP):
         model_state.add_request(index, new_request(req_id, n, extra))
     order = [req_id for req_id, *_ in STEP]
     lens = [n for _, n, _, _ in STEP]
     _, scan, gdn = hybrid_metadata(state, order, lens, [s for *_, s in STEP])
-    layer = ScanLayer(gdn[0], slots=8)
-    if restart:
-        restart_questions_from_state(layer)
+    layer = ScanLayer(gdn[0], slots=8, restart=restart)
+    if wrap is not None:
+        wrap(layer)
     x = torch.randn(sum(lens), 1, generator=torch.Generator().manual_seed(0))
     out = torch.zeros_like(x)
     cache = layer.kv_cache
@@ -467,13 +479,35 @@ def test_without_packed_rows_the_core_is_the_original(state):
     model_state, config = state
     model_state.add_request(0, new_request("a", 10, {"d3_state_tokens": 4}))
     _, scan, gdn = hybrid_metadata(state, ["a"], [10], [3])
-    layer = ScanLayer(gdn[0], slots=8)
-    restart_questions_from_state(layer)
+    layer = ScanLayer(gdn[0], slots=8, restart=True)
     x = torch.randn(10, 1)
     out = torch.zeros(10, 1)
     with set_forward_context({gdn[0]: scan}, config):
+        assert not forward_packed_questions(layer, layer._forward_core, x, x, x, out)
+        assert not out.any()
         layer._forward_core(x, x, x, out)
     assert torch.allclose(out, scan_alone(x))
+
+
+@pytest.mark.plugin
+def test_the_plugin_restarts_every_gdn_layer_of_the_model(state):
+    """On 0.33.0 the layers' ``_forward_core`` runs the packed phases first."""
+    model_state, _ = state
+    cores = [
+        module._forward_core
+        for module in model_state.model.modules()
+        if isinstance(module, QwenGatedDeltaNetAttention)
+    ]
+    assert cores
+    wrapper = qwen_gdn_linear_attn.__name__
+    assert all(core.__func__.__module__ == wrapper for core in cores)
+    # Over 0.33.0's method (here the stand-in's), the wrapper computes what the
+    # series' method does.
+    x, out = scan_step(state, restart=True)
+    wrapped_x, wrapped_out = scan_step(
+        state, restart=False, wrap=qwen_gdn_linear_attn.restart_questions_from_state
+    )
+    assert torch.equal(wrapped_x, x) and torch.allclose(wrapped_out, out)
 
 
 def test_a_packed_request_is_read_out_once_per_question(state):

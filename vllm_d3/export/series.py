@@ -393,9 +393,112 @@ requests' ranges overrides the hook (the D3 prefix_bidir state, next).""",
     backports=("v1/worker/gpu/model_states/mamba_hybrid.py",),
 )
 
+_GDN = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
+_D3_MODEL = "vllm/model_executor/models/d3.py"
+
+MODEL_STATE = Patch(
+    title="[Model] D3: the Model Runner V2 state for prefix_bidir checkpoints",
+    body="""\
+A prefix_bidir prompt is a state block of s tokens and a question block: the
+state reads itself both ways, the question reads the state and itself both
+ways, the state never sees the question. D3PrefixBidirModelState, derived from
+the hybrid state Qwen3.5 gets, keeps each request's d3_state_tokens from its
+PoolingParams and returns its state and question ranges from
+get_mm_prefix_ranges, so that the attention metadata builders that apply
+ranges see them; the Gated DeltaNet layers stay causal. vLLM's own warm-up
+requests, which carry no size, are split in the middle.
+
+A request may pack several questions after one state (d3_question_ends), so
+that the state is computed once:
+
+- the state keeps the positions vLLM computes for it; every question block
+  gets the M-RoPE positions it has in its own prompt state || qi;
+- the Gated DeltaNet layers run such a step in two phases
+  (layers/mamba/gdn/packed_questions.py): everything but the question blocks,
+  as today, then every question block from a copy of its row's state after s
+  tokens, the way chunked prefill continues a sequence;
+- the classify pooler reads a packed request out at the last token of each
+  question block, the logits flat, question by question.
+
+The D3 model gives a prefix_bidir instance the get_model_state_cls hook and
+the per-question readout (models/d3_prefix_bidir.py); the other attention
+modes are unchanged.""",
+    changes=(
+        NewFile("model_executor/layers/mamba/gdn/packed_questions.py"),
+        Edit(
+            _GDN,
+            anchor="""\
+from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
+""",
+            text="""\
+from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.gdn.packed_questions import (
+    forward_packed_questions,
+)
+""",
+        ),
+        Edit(
+            _GDN,
+            anchor="""\
+            a: alpha gating vector                  (num_tokens, num_heads)
+            core_attn_out: Pre-allocated output buffer for attention results.
+
+        \"\"\"
+""",
+            text="""\
+            a: alpha gating vector                  (num_tokens, num_heads)
+            core_attn_out: Pre-allocated output buffer for attention results.
+
+        \"\"\"
+        # A step with packed D3 requests restarts every question from its
+        # request's state: this method runs once per phase.
+        if forward_packed_questions(
+            self, self._forward_core, mixed_qkv, b, a, core_attn_out
+        ):
+            return
+""",
+        ),
+        NewFile("model_executor/models/d3_prefix_bidir.py"),
+        Edit(
+            _D3_MODEL,
+            anchor="""\
+from .adapters import as_seq_cls_model
+""",
+            text="""\
+from .adapters import as_seq_cls_model
+from .d3_contract import decision_config_of, is_prefix_bidir
+from .d3_prefix_bidir import serve_prefix_bidir
+""",
+        ),
+        Edit(
+            _D3_MODEL,
+            anchor="""\
+                allow_patterns_overrides=[READOUT_WEIGHTS],
+            )
+        ]
+""",
+            text="""\
+                allow_patterns_overrides=[READOUT_WEIGHTS],
+            )
+        ]
+        if is_prefix_bidir(decision_config_of(model_config.hf_config)):
+            serve_prefix_bidir(self)
+""",
+        ),
+        NewFile("v1/worker/gpu/model_states/d3_prefix_bidir.py"),
+    ),
+    tests=("tests/test_model_state.py",),
+    control="tests/test_model_state.py::test_model_state_resolution",
+    backports=(
+        "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
+        "model_executor/models/d3.py",
+    ),
+)
+
 SERIES: tuple[Patch, ...] = (
     CONTRACT,
     SYSTEMONE_BODIES,
     STATE_TOKENS,
     PREFIX_RANGES_HOOK,
+    MODEL_STATE,
 )

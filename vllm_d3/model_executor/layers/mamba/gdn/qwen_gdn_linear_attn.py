@@ -1,206 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Gated DeltaNet for packed D3 requests: every question restarts from the state
-(upstream: ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``).
+"""Gated DeltaNet layers that restart packed questions from the state, on vLLM
+0.33.0 (upstream: ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``, an
+edit: the series' model-state commit, ``vllm_d3.export.series``).
 
-A packed request is ``state[0, s) || q1 || ... || qQ``: the state is read once and
-each question block must see the recurrent and convolution state the layer had
-after exactly ``s`` tokens, as in its own prompt ``state || qi``. One causal scan
-over the packed row would instead run question ``i`` on from question ``i - 1``.
-
-``step_phases`` and ``packed_gdn_metadata`` build, with the step's own GDN
-metadata builders, the two phases of a step that holds packed rows:
-
-- phase A: every token except the packed rows' question blocks (other requests
-  whole, each packed row's state), as 0.33.0 would scan them; each packed row's
-  slot then holds its state at ``s``;
-- phase B: each question block as its own sequence, with an initial state
-  (``seq_len = s + q_i``), reading state slot ``1 + i`` of a scratch copy (slot
-  0 is vLLM's null block, which the kernels skip).
-
-``restart_questions_from_state`` replaces a layer's ``_forward_core`` (the custom
-op ``qwen_gdn_attention_core`` looks the layer up and calls it) with one that,
-when the step's metadata is a ``PackedGDNAttentionMetadata``, runs 0.33.0's own
-``_forward_core`` twice: phase A on the cache, then phase B on scratch copies of
-the packed rows' slots (one per question), bound as the layer's ``kv_cache``
-for that call. Without packed rows it is the original method, unchanged. Phase
-B continues from an initial state the way chunked prefill does, which every GDN
-prefill backend implements; the config hook still selects the Triton/FLA
-backend, the one this path was validated on.
+In-tree, ``QwenGatedDeltaNetAttention._forward_core`` first hands a step with
+packed rows to ``forward_packed_questions`` (``packed_questions.py``), which runs
+the method once per phase. ``restart_questions_from_state(layer)`` gives one
+layer of vLLM 0.33.0 the same: its ``_forward_core`` becomes an instance
+attribute that does that, then runs 0.33.0's own method when the step holds no
+packed rows. The custom op ``qwen_gdn_attention_core`` looks the layer up and
+calls ``self._forward_core``, so the attribute is what runs.
 """
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
 from types import MethodType
 from typing import Any
 
-import numpy as np
 import torch
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     QwenGatedDeltaNetAttention,
 )
-from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.attention.backends.gdn_attn import (
-    GDNAttentionMetadata,
-    GDNAttentionMetadataBuilder,
+
+from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
+    forward_packed_questions,
 )
-
-from vllm_d3.model_executor.models.d3_contract import StateBlock
-
-
-@dataclass(frozen=True)
-class PackedRow:
-    """A packed row of the batch: its row, where its tokens start, and its
-    request's state and question blocks (prompt offsets)."""
-
-    row: int
-    token_start: int
-    block: StateBlock
-
-
-@dataclass(frozen=True)
-class StepPhases:
-    """A step's two GDN phases; the metadata is per KV-cache group."""
-
-    state_tokens: torch.Tensor
-    """(num_a,) int64, the batch tokens phase A scans, in order."""
-    question_tokens: torch.Tensor
-    """(num_b,) int64, the question blocks' tokens, in order."""
-    question_rows: torch.Tensor
-    """(num_questions,) int64, the batch row each question restarts from."""
-    phase_a: CommonAttentionMetadata
-    phase_b: CommonAttentionMetadata
-
-
-@dataclass
-class PackedGDNAttentionMetadata(GDNAttentionMetadata):
-    """A step's GDN metadata (the fields, as built) plus its packed phases."""
-
-    phase_a: GDNAttentionMetadata | None = None
-    phase_b: GDNAttentionMetadata | None = None
-    question_slots: torch.Tensor | None = None
-    """(num_questions,) the state slot each question restarts from."""
-    state_tokens: torch.Tensor | None = None
-    question_tokens: torch.Tensor | None = None
-
-
-def _common(
-    query_lens: np.ndarray,
-    seq_lens: np.ndarray,
-    block_table: torch.Tensor,
-    device: torch.device,
-) -> CommonAttentionMetadata:
-    query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    query_start_loc_cpu = torch.from_numpy(query_start_loc)
-    seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-    return CommonAttentionMetadata(
-        query_start_loc=query_start_loc_cpu.to(device),
-        query_start_loc_cpu=query_start_loc_cpu,
-        seq_lens=seq_lens_cpu.to(device),
-        seq_lens_cpu_upper_bound=seq_lens_cpu,
-        max_seq_len=int(seq_lens.max()),
-        num_reqs=len(query_lens),
-        num_actual_tokens=int(query_start_loc[-1]),
-        max_query_len=int(query_lens.max()),
-        block_table_tensor=block_table,
-        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
-        is_prefilling=torch.ones(len(query_lens), dtype=torch.bool),
-    )
-
-
-def step_phases(
-    query_start_loc: np.ndarray,
-    seq_lens: np.ndarray,
-    packed: Sequence[PackedRow],
-    device: torch.device,
-) -> StepPhases:
-    """The phases of a step of ``len(seq_lens)`` fresh prefill rows, whose
-    packed rows are scheduled whole. Phase A's block table is each group's own
-    (set by ``packed_gdn_metadata``)."""
-    query_lens = np.diff(query_start_loc).astype(np.int64)
-    lens_a = query_lens.copy()
-    question_lens: list[int] = []
-    restart_from: list[int] = []
-    question_rows: list[int] = []
-    question_tokens: list[np.ndarray] = []
-    for p in packed:
-        s = p.block.state_tokens
-        lens_a[p.row] = s
-        lens = [end - start for start, end in p.block.question_blocks()]
-        question_lens.extend(lens)
-        restart_from.extend([s] * len(lens))
-        question_rows.extend([p.row] * len(lens))
-        question_tokens.append(
-            np.arange(p.token_start + s, p.token_start + p.block.prompt_len)
-        )
-    starts = query_start_loc[:-1]
-    state_tokens = np.concatenate(
-        [np.arange(start, start + n) for start, n in zip(starts, lens_a, strict=True)]
-    )
-    lens_b = np.asarray(question_lens, dtype=np.int64)
-    # Scratch slots 1..Q: slot 0 is the null block, which the kernels skip.
-    scratch_slots = torch.arange(1, len(lens_b) + 1, dtype=torch.int32, device=device)
-    return StepPhases(
-        state_tokens=torch.from_numpy(state_tokens).to(device),
-        question_tokens=torch.from_numpy(np.concatenate(question_tokens)).to(device),
-        question_rows=torch.as_tensor(question_rows, dtype=torch.int64, device=device),
-        phase_a=_common(
-            lens_a,
-            seq_lens - (query_lens - lens_a),
-            torch.empty(0, 1, dtype=torch.int32, device=device),
-            device,
-        ),
-        # Each question continues from a state that has seen s tokens.
-        phase_b=_common(
-            lens_b, np.asarray(restart_from) + lens_b, scratch_slots[:, None], device
-        ),
-    )
-
-
-def packed_gdn_metadata(
-    groups: Sequence[
-        tuple[GDNAttentionMetadata, GDNAttentionMetadataBuilder, torch.Tensor]
-    ],
-    phases: StepPhases,
-) -> list[PackedGDNAttentionMetadata]:
-    """Each KV-cache group's step metadata (``groups``: the metadata, its
-    builder and its block table) with the packed phases. Both phases are built
-    once, by the first group's builder; phase A is then re-gathered for each
-    group's state slots, as vLLM does for its own groups
-    (``update_block_table``); phase B reads scratch slots, the same for all."""
-    num_reqs = phases.phase_a.num_reqs
-    _, first_builder, first_table = groups[0]
-    phase_a = first_builder.build(
-        0, phases.phase_a.replace(block_table_tensor=first_table[:num_reqs])
-    )
-    phase_b = first_builder.build(0, phases.phase_b)
-    return [
-        PackedGDNAttentionMetadata(
-            **{f.name: getattr(metadata, f.name) for f in fields(GDNAttentionMetadata)},
-            phase_a=builder.update_block_table(
-                phase_a, block_table[:num_reqs], phases.phase_a.slot_mapping
-            ),
-            phase_b=phase_b,
-            question_slots=block_table[phases.question_rows, 0].long(),
-            state_tokens=phases.state_tokens,
-            question_tokens=phases.question_tokens,
-        )
-        for metadata, builder, block_table in groups
-    ]
-
-
-def _scratch(state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Copies of ``state[slots]`` at slots 1.. (slot 0, the null block, unused)."""
-    scratch = state.new_empty((len(slots) + 1, *state.shape[1:]))
-    scratch[1:] = state.index_select(0, slots)
-    return scratch
 
 
 def restart_questions_from_state(layer: QwenGatedDeltaNetAttention) -> None:
     """Give ``layer`` the two-phase ``_forward_core`` for packed steps."""
-    original: Callable[..., Any] = layer._forward_core
+    original = layer._forward_core
 
     def forward_core(
         self: QwenGatedDeltaNetAttention,
@@ -209,39 +37,8 @@ def restart_questions_from_state(layer: QwenGatedDeltaNetAttention) -> None:
         a: torch.Tensor,
         core_attn_out: torch.Tensor,
     ) -> Any:
-        all_metadata = get_forward_context().attn_metadata
-        metadata = (
-            all_metadata.get(self.prefix) if isinstance(all_metadata, dict) else None
-        )
-        if not isinstance(metadata, PackedGDNAttentionMetadata):
-            return original(mixed_qkv, b, a, core_attn_out)
-        assert isinstance(all_metadata, dict)
-        assert metadata.question_slots is not None
-
-        def scan(
-            phase: GDNAttentionMetadata | None, tokens: torch.Tensor | None
-        ) -> None:
-            assert phase is not None and tokens is not None
-            all_metadata[self.prefix] = phase
-            out = core_attn_out.new_zeros((len(tokens), *core_attn_out.shape[1:]))
-            original(
-                mixed_qkv.index_select(0, tokens),
-                b.index_select(0, tokens),
-                a.index_select(0, tokens),
-                out,
-            )
-            core_attn_out.index_copy_(0, tokens, out)
-
-        cache = self.kv_cache
-        try:
-            scan(metadata.phase_a, metadata.state_tokens)
-            # Each question from its own copy of its row's state after s tokens.
-            self.kv_cache = tuple(
-                _scratch(state, metadata.question_slots) for state in cache
-            )
-            scan(metadata.phase_b, metadata.question_tokens)
-        finally:
-            self.kv_cache = cache
-            all_metadata[self.prefix] = metadata
+        if forward_packed_questions(self, original, mixed_qkv, b, a, core_attn_out):
+            return None
+        return original(mixed_qkv, b, a, core_attn_out)
 
     layer._forward_core = MethodType(forward_core, layer)  # type: ignore[method-assign]

@@ -49,7 +49,7 @@ from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.model_states.interface import ModelSpecificAttnMetadata
 from vllm.v1.worker.utils import AttentionGroup
 
-from vllm_d3.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     PackedRow,
     packed_gdn_metadata,
     step_phases,
