@@ -64,3 +64,12 @@ def make_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """vLLM's distributed state for one CPU process, for a module's tests."""
+    from vllm_d3.testing.model_runner import single_process_group
+
+    with single_process_group():
+        yield

@@ -32,7 +32,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.pool.metadata import PoolingMetadata, PoolingStates
 from vllm.v1.worker.gpu import warmup as gpu_warmup
-from vllm.v1.worker.gpu.model_states import default as default_model_state
 from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.utils import AttentionGroup
@@ -47,11 +46,10 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
 from vllm_d3.model_executor.models.d3 import D3ForSequenceClassification
 from vllm_d3.testing.model_runner import (
     CPU,
-    CpuRopeState,
     attention_metadata,
     build_model,
+    cpu_model_state,
     prefill_batch,
-    single_process_group,
     vllm_config_for,
 )
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
@@ -62,11 +60,7 @@ from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import (
     D3PrefixBidirModelState,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    with single_process_group():
-        yield
+pytestmark = pytest.mark.usefixtures("process_group")
 
 
 @pytest.mark.parametrize(
@@ -114,15 +108,10 @@ def new_request(req_id: str, prompt_len: int, extra) -> NewRequestData:
 
 
 @pytest.fixture
-def state(make_checkpoint, monkeypatch):
-    monkeypatch.setattr(default_model_state, "get_rope_state", CpuRopeState)
-    config = vllm_config_for(make_checkpoint(weights=False))
-    model_cls, _ = ModelRegistry.resolve_model_cls(
-        config.model_config.architectures, config.model_config
-    )
-    model = build_model(model_cls, config)
-    with set_current_vllm_config(config):
-        yield D3PrefixBidirModelState(config, model, None, CPU), config
+def state(make_checkpoint):
+    path = make_checkpoint(weights=False)
+    with cpu_model_state(D3PrefixBidirModelState, path) as state_and_config:
+        yield state_and_config
 
 
 def dense_mask(ranges: list[tuple[int, int]], n: int) -> torch.Tensor:

@@ -7,25 +7,11 @@ attention metadata that vLLM's own Triton builder makes from them.
 """
 
 import pytest
-from vllm.config import set_current_vllm_config
-from vllm.model_executor.models.registry import ModelRegistry
-from vllm.v1.worker.gpu.model_states import default as default_model_state
 
-from vllm_d3.testing.model_runner import (
-    CPU,
-    CpuRopeState,
-    attention_metadata,
-    build_model,
-    single_process_group,
-    vllm_config_for,
-)
+from vllm_d3.testing.model_runner import attention_metadata, cpu_model_state
 from vllm_d3.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    with single_process_group():
-        yield
+pytestmark = pytest.mark.usefixtures("process_group")
 
 
 class FixedRanges(MambaHybridModelState):
@@ -38,15 +24,10 @@ class FixedRanges(MambaHybridModelState):
 
 
 @pytest.fixture
-def hybrid_state(make_checkpoint, monkeypatch):
-    monkeypatch.setattr(default_model_state, "get_rope_state", CpuRopeState)
-    config = vllm_config_for(make_checkpoint(weights=False))
-    model_cls, _ = ModelRegistry.resolve_model_cls(
-        config.model_config.architectures, config.model_config
-    )
-    model = build_model(model_cls, config)
-    with set_current_vllm_config(config):
-        yield FixedRanges(config, model, None, CPU), config
+def hybrid_state(make_checkpoint):
+    path = make_checkpoint(weights=False)
+    with cpu_model_state(FixedRanges, path) as state_and_config:
+        yield state_and_config
 
 
 def test_the_hooks_ranges_reach_the_attention_builder(hybrid_state):

@@ -22,8 +22,6 @@ from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES, ReadCo
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.renderers.registry import renderer_from_config
 
-import vllm_d3
-
 ULTRA = {"max_questions": [1, 4], "temperature": [2.0, 1.0, 0.5]}
 STATES = [
     "plain words",
@@ -115,7 +113,6 @@ def make_strategy(path: str, state_once: bool = False, max_model_len: int = 4096
         chat_template_content_format="auto",
         default_chat_template_kwargs={},
     )
-    vllm_d3.register()
     strategy_cls = READ_STRATEGIES[config.model_config.architecture]
     return strategy_cls(context), engine
 
@@ -258,6 +255,7 @@ def test_other_modes_read_as_before(make_checkpoint, mode):
     assert reads[1].probs == pytest.approx([w / sum(weights) for w in weights])
 
 
+@pytest.mark.plugin
 def test_per_question_reads_send_upstreams_engine_inputs(make_checkpoint):
     # 0.33.0's own D3Strategy over the same engine: the plugin's per-question
     # reads must send the same inputs and params, apart from extra_kwargs.

@@ -495,10 +495,127 @@ from .d3_prefix_bidir import serve_prefix_bidir
     ),
 )
 
+_STRATEGIES = "vllm/entrypoints/openai/decisions/strategies.py"
+
+STATE_BLOCK_READS = Patch(
+    title="[Frontend] D3Strategy: state blocks, packed reads, d3-ultra temperature",
+    body="""\
+A prefix_bidir checkpoint reads each prompt as a state block and a question
+block; D3Strategy.read sends one classify encode per question and no block
+size, and ignores d3-ultra's temperature_by_questions.
+
+D3StateBlockReads (the new d3_reads module), a base of D3Strategy:
+
+- counts each request's state block once, with the checkpoint runtime's rule
+  (the leading tokens whose text ends at or before the end of the state text;
+  the system turn and the media come first, so they are inside it), checks
+  that every question's prompt shares it, and sends it as d3_state_tokens;
+- packs the questions after one copy of the state (d3_question_ends), where
+  the config says the state is read once (additional_config d3_state_once,
+  which a later commit's config hook decides); a pack longer than one engine
+  step is split, each reading the state again, and the log says so;
+- divides each question's logits by temperature_for(Q), the schedule's
+  temperature for the request's question count (d3-ultra), and reports in
+  usage.input_tokens what the engine computed.
+
+Checkpoints that need none of it keep read's plain encodes.""",
+    changes=(
+        NewFile("entrypoints/openai/decisions/d3_reads.py"),
+        Edit(
+            _STRATEGIES,
+            anchor="""\
+from vllm.entrypoints.generate.label_reads import next_token_label_reads
+""",
+            text="""\
+from vllm.entrypoints.generate.label_reads import next_token_label_reads
+from vllm.entrypoints.openai.decisions.d3_reads import D3StateBlockReads
+""",
+        ),
+        Edit(
+            _STRATEGIES,
+            anchor="""\
+class D3Strategy(ReadStrategy):
+""",
+            text="""\
+class D3Strategy(D3StateBlockReads, ReadStrategy):
+""",
+        ),
+        Edit(
+            _STRATEGIES,
+            anchor="""\
+        self.max_model_len = model_config.max_model_len
+        self.tokenizer = context.online_renderer.renderer.get_tokenizer()
+""",
+            text="""\
+        self.max_model_len = model_config.max_model_len
+        self.tokenizer = context.online_renderer.renderer.get_tokenizer()
+        self.init_state_blocks()
+""",
+        ),
+        Edit(
+            _STRATEGIES,
+            anchor="""\
+        logits = await asyncio.gather(
+            *(read_one(n, inputs) for n, inputs in enumerate(engine_inputs))
+        )
+
+        reads = []
+        for q, ids, code_logits in zip(questions, prompt_ids, logits):
+            texts, order = self._options(q)
+            scaled = [v / self.temperature for v in code_logits[: len(texts)]]
+""",
+            text="""\
+        input_tokens = [len(ids) for ids in prompt_ids]
+        if self.reads_state_blocks:
+            # State blocks, packed questions, d3-ultra (d3_reads.py).
+            logits, input_tokens = await self.read_state_blocks(
+                engine_inputs,
+                PoolingParams(task="classify", use_activation=False),
+                questions,
+                state,
+                media,
+                request_id,
+                lora_request=lora_request,
+                trace_headers=trace_headers,
+                priority=priority,
+            )
+        else:
+            logits = await asyncio.gather(
+                *(read_one(n, inputs) for n, inputs in enumerate(engine_inputs))
+            )
+        temperature = self.temperature_for(len(questions))
+
+        reads = []
+        for q, tokens, code_logits in zip(questions, input_tokens, logits):
+            texts, order = self._options(q)
+            scaled = [v / temperature for v in code_logits[: len(texts)]]
+""",
+        ),
+        Edit(
+            _STRATEGIES,
+            anchor="""\
+                    input_tokens=len(ids),
+""",
+            text="""\
+                    input_tokens=tokens,
+""",
+        ),
+    ),
+    # The packed reads need the config hook's decision, a later commit's.
+    tests=(
+        "tests/test_strategy.py",
+        "--deselect=tests/test_strategy.py::test_state_once_packs_the_questions",
+        "--deselect=tests/test_strategy.py::test_a_pack_too_long_for_the_engine_is_split",
+    ),
+    control="tests/test_strategy.py::test_a_straddling_token_goes_to_the_question",
+    backports=("entrypoints/openai/decisions/strategies.py",),
+)
+
 SERIES: tuple[Patch, ...] = (
     CONTRACT,
     SYSTEMONE_BODIES,
     STATE_TOKENS,
     PREFIX_RANGES_HOOK,
     MODEL_STATE,
+    STATE_BLOCK_READS,
 )

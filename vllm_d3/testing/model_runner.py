@@ -6,7 +6,10 @@ attention metadata builders.
   config ``vllm serve path`` builds, and a model built under it;
 - ``CpuRopeState``: vLLM's ``RopeState`` (its real ``init_prefill_positions``)
   over a plain record of the staged positions, where vLLM's pinned buffer needs
-  a GPU driver; install it as ``default.get_rope_state`` before building a state;
+  a GPU driver;
+- ``cpu_model_state(state_cls, path)``: a model state of ``state_cls`` for the
+  model ``vllm serve path`` builds (with ``CpuRopeState``), and its config,
+  under that config;
 - ``prefill_batch(req_ids, prompt_lens)``: one step scheduling each prompt
   whole, as the runner schedules D3 prompts;
 - ``attention_metadata(state_and_config, req_ids, prompt_lens, backend)``: the
@@ -19,6 +22,7 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +35,7 @@ from vllm.distributed import (
 )
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.attention.attention import Attention
+from vllm.model_executor.models.registry import ModelRegistry
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -39,6 +44,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.mm.rope import RopeState
+from vllm.v1.worker.gpu.model_states import default as default_model_state
 from vllm.v1.worker.utils import AttentionGroup
 
 CPU = torch.device("cpu")
@@ -108,6 +114,22 @@ class CpuRopeState(RopeState):
                 for axis in range(3)
             ]
         )
+
+
+@contextmanager
+def cpu_model_state(state_cls: type, path: str) -> Iterator[tuple[Any, VllmConfig]]:
+    config = vllm_config_for(path)
+    model_cls, _ = ModelRegistry.resolve_model_cls(
+        config.model_config.architectures, config.model_config
+    )
+    model = build_model(model_cls, config)
+    vllms_rope_state = default_model_state.get_rope_state
+    default_model_state.get_rope_state = CpuRopeState
+    try:
+        with set_current_vllm_config(config):
+            yield state_cls(config, model, None, CPU), config
+    finally:
+        default_model_state.get_rope_state = vllms_rope_state
 
 
 def prefill_batch(req_ids, prompt_lens) -> InputBatch:

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.model_states import mamba_hybrid
-from vllm.v1.worker.gpu.model_states.interface import ModelSpecificAttnMetadata
 from vllm.v1.worker.utils import AttentionGroup
 
 from vllm_d3.model_executor.models.d3_contract import PrefixRanges
@@ -66,10 +65,8 @@ class MambaHybridModelState(mamba_hybrid.MambaHybridModelState):
         block_tables: tuple[torch.Tensor, ...],
         slot_mappings: torch.Tensor,
         attn_groups: list[list[AttentionGroup]],
-        kv_cache_config: KVCacheConfig,
-        for_capture: bool = False,
-        ubatch_idx: int = 0,
-        model_specific_attn_metadata: ModelSpecificAttnMetadata | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> dict[str, Any]:
         ranges = self.get_mm_prefix_ranges(input_batch)
         if ranges is not None:
@@ -88,8 +85,6 @@ class MambaHybridModelState(mamba_hybrid.MambaHybridModelState):
             block_tables,
             slot_mappings,
             attn_groups,
-            kv_cache_config,
-            for_capture=for_capture,
-            ubatch_idx=ubatch_idx,
-            model_specific_attn_metadata=model_specific_attn_metadata,
+            *args,
+            **kwargs,
         )

@@ -1,0 +1,262 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""How ``D3Strategy`` reads a request's questions where a D3 checkpoint needs
+more than one plain encode per question
+(upstream: ``entrypoints/openai/decisions/d3_reads.py``, a new file).
+
+``D3StateBlockReads`` is a base of ``D3Strategy``. ``init_state_blocks()`` (at
+the end of the strategy's ``__init__``) reads the checkpoint's decision config;
+where ``reads_state_blocks`` holds, ``read`` hands its rendered engine inputs to
+``read_state_blocks`` instead of sending one plain encode per question:
+
+- for ``prefix_bidir``, the state block size ``s`` is counted once with the
+  checkpoint runtime's rule (``state_block_size``: the leading tokens whose
+  text ends at or before the end of the state text; a token that joins the
+  state's last character to the question block belongs to the question; the
+  system turn and the media come first, so they are inside the state) and
+  every prompt must share its first ``s`` tokens;
+- **state once**, where the config hook decided it
+  (``additional_config["d3_state_once"]`` is true): the questions are packed
+  into one engine request ``state || q1 || ... || qQ`` with
+  ``d3_state_tokens = s`` and ``d3_question_ends``; the engine returns the code
+  logits of every question, flat. A pack longer than the engine takes in one
+  step (``max_model_len``, ``max_num_batched_tokens``) is split into several
+  packs, each reading the state again, and the log says so;
+- **per question** otherwise: one encode per question (request ids
+  ``f"{request_id}-{n}"``), its params carrying ``d3_state_tokens = s``;
+- ``temperature_for(Q)``: with ``temperature_by_questions`` (d3-ultra) the
+  request's question count picks the temperature its logits are divided by.
+
+``read_state_blocks`` returns each question's code logits and the tokens the
+engine computed for it (``usage.input_tokens``): a pack's state once, with its
+first question.
+"""
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.entrypoints.openai.decisions.question_types import (
+    Question,
+    StructuredDecisionError,
+)
+from vllm.inputs import EngineInput
+from vllm.logger import init_logger
+from vllm.pooling_params import PoolingParams
+
+from vllm_d3.model_executor.models.d3_contract import (
+    QUESTION_ENDS_KEY,
+    STATE_ONCE_KEY,
+    STATE_TOKENS_KEY,
+    TemperatureSchedule,
+    is_prefix_bidir,
+    temperature_schedule_of,
+)
+
+if TYPE_CHECKING:
+    from vllm.entrypoints.openai.decisions.strategies import ReadContext
+
+# Under the "vllm" logger, so that it shares vLLM's handlers and level.
+logger = init_logger(f"vllm.{__name__}")
+
+
+def state_block_size(offsets: Sequence[tuple[int, int]], state_end: int) -> int:
+    """How many leading tokens end at or before character ``state_end``."""
+    count = 0
+    for _, end in offsets:
+        if end > state_end:
+            break
+        count += 1
+    return count
+
+
+def pack_questions(
+    state_tokens: int, question_lens: Sequence[int], limit: int
+) -> list[list[int]]:
+    """Consecutive questions grouped so that ``s + sum(q)`` stays within
+    ``limit``; a question too long for any pack goes alone (and fails as its
+    own prompt would). Returns lists of question indices."""
+    packs: list[list[int]] = []
+    length = limit + 1
+    for n, q in enumerate(question_lens):
+        if length + q > limit:
+            packs.append([])
+            length = state_tokens
+        packs[-1].append(n)
+        length += q
+    return packs
+
+
+@dataclass
+class _Read:
+    """One engine request: its input, params, id, and the questions it answers."""
+
+    engine_input: Any
+    params: PoolingParams
+    request_id: str
+    questions: list[int]
+
+
+class D3StateBlockReads:
+    # What D3Strategy provides.
+    context: "ReadContext"
+    temperature: float
+    max_model_len: int
+    tokenizer: Any
+    VISION_END: str
+
+    if TYPE_CHECKING:
+
+        def _prompt(self, state: str, q: Question, placeholders: list[str]) -> str: ...
+
+    def init_state_blocks(self) -> None:
+        engine_client = self.context.engine_client
+        decision = engine_client.model_config.hf_config.decision_config
+        vllm_config = engine_client.vllm_config
+        extra = vllm_config.additional_config
+        self.prefix_bidir = is_prefix_bidir(decision)
+        self.temperature_schedule: TemperatureSchedule | None = temperature_schedule_of(
+            decision
+        )
+        # The config hook writes its decision there, for every process.
+        self.state_once = (
+            self.prefix_bidir
+            and isinstance(extra, Mapping)
+            and extra.get(STATE_ONCE_KEY) is True
+        )
+        self.max_pack_tokens = min(
+            self.max_model_len, vllm_config.scheduler_config.max_num_batched_tokens
+        )
+        #: Where the reads go (the engine client the strategy was built with).
+        self.engine_client = engine_client
+
+    @property
+    def reads_state_blocks(self) -> bool:
+        return self.prefix_bidir or self.temperature_schedule is not None
+
+    def temperature_for(self, num_questions: int) -> float:
+        if self.temperature_schedule is None:
+            return self.temperature
+        return self.temperature_schedule.temperature_for(num_questions)
+
+    def state_tokens(
+        self, question: Question, state: str, media: Any, prompt_ids: list[int]
+    ) -> int:
+        """The state block size of ``prompt_ids``, one question's prompt as
+        ``read`` rendered it (media ids, then the tokens of the text after the
+        last media placeholder)."""
+        placeholders = [m for m in ("image", "video") for _ in (media or {}).get(m, ())]
+        text = self._prompt(state, question, placeholders)
+        if placeholders:
+            text = text[text.rindex(self.VISION_END) + len(self.VISION_END) :]
+        head = "State:\n"
+        start = text.find(f"{head}{state}\n\nQuestion:\n")
+        if start < 0:
+            raise StructuredDecisionError(
+                "the chat template did not render the D3 state block as expected"
+            )
+        tokenizer = self.tokenizer  # a Hugging Face fast tokenizer
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        text_ids = encoded["input_ids"]
+        if list(prompt_ids[len(prompt_ids) - len(text_ids) :]) != list(text_ids):
+            raise StructuredDecisionError("the D3 prompt was not rendered as expected")
+        media_tokens = len(prompt_ids) - len(text_ids)
+        state_end = start + len(head) + len(state)
+        return media_tokens + state_block_size(encoded["offset_mapping"], state_end)
+
+    async def read_state_blocks(
+        self,
+        engine_inputs: Sequence[EngineInput],
+        params: PoolingParams,
+        questions: list[Question],
+        state: str,
+        media: Any,
+        request_id: str,
+        **encode_kwargs: Any,
+    ) -> tuple[list[list[float]], list[int]]:
+        """Each question's code logits, and the tokens computed for it."""
+        reads, computed_tokens = self._plan(
+            engine_inputs, params, questions, state, media, request_id
+        )
+        rows = await asyncio.gather(
+            *(self._send(read, encode_kwargs) for read in reads)
+        )
+        logits: list[list[float]] = [[] for _ in questions]
+        for read, read_rows in zip(reads, rows, strict=True):
+            for n, row in zip(read.questions, read_rows, strict=True):
+                logits[n] = row
+        return logits, computed_tokens
+
+    def _plan(
+        self,
+        engine_inputs: Sequence[Any],
+        params: PoolingParams,
+        questions: list[Question],
+        state: str,
+        media: Any,
+        request_id: str,
+    ) -> tuple[list[_Read], list[int]]:
+        """The engine requests of one read, and the tokens each question costs."""
+        ids = [engine_input["prompt_token_ids"] for engine_input in engine_inputs]
+        computed_tokens = [len(prompt) for prompt in ids]
+        if not self.prefix_bidir:
+            return [
+                _Read(engine_inputs[n], params, f"{request_id}-{n}", [n])
+                for n in range(len(ids))
+            ], computed_tokens
+        s = self.state_tokens(questions[0], state, media, ids[0])
+        if any(prompt[:s] != ids[0][:s] or len(prompt) <= s for prompt in ids):
+            raise StructuredDecisionError(
+                "the questions' prompts do not share their state block"
+            )
+        sized = params.clone()
+        sized.extra_kwargs = {**(params.extra_kwargs or {}), STATE_TOKENS_KEY: s}
+        if not self.state_once or len(ids) == 1:
+            return [
+                _Read(engine_inputs[n], sized, f"{request_id}-{n}", [n])
+                for n in range(len(ids))
+            ], computed_tokens
+        packs = pack_questions(s, [len(p) - s for p in ids], self.max_pack_tokens)
+        if len(packs) > 1:
+            logger.info(
+                "D3 request %s: %d questions in %d packs, each reading the %d-token "
+                "state (a pack holds at most %d tokens)",
+                request_id,
+                len(ids),
+                len(packs),
+                s,
+                self.max_pack_tokens,
+            )
+        reads = []
+        for k, pack in enumerate(packs):
+            packed_ids = list(ids[0][:s])
+            ends = []
+            for n in pack:
+                packed_ids += ids[n][s:]
+                ends.append(len(packed_ids))
+                computed_tokens[n] = len(ids[n]) - s
+            computed_tokens[pack[0]] += s
+            packed = params.clone()
+            packed.extra_kwargs = {
+                **(sized.extra_kwargs or {}),
+                QUESTION_ENDS_KEY: ends,
+            }
+            engine_input = {**engine_inputs[0], "prompt_token_ids": packed_ids}
+            reads.append(_Read(engine_input, packed, f"{request_id}-pack{k}", pack))
+        return reads, computed_tokens
+
+    async def _send(
+        self, read: _Read, encode_kwargs: dict[str, Any]
+    ) -> list[list[float]]:
+        """One engine request's code logits, one row per question it answers."""
+        output = None
+        async for last in self.engine_client.encode(
+            read.engine_input, read.params, read.request_id, **encode_kwargs
+        ):
+            output = last
+        if output is None:
+            raise ValueError("Failed to score the question")
+        if output.error is not None:
+            raise ValueError(f"Failed to score the question: {output.error.message}")
+        return output.outputs.data.view(len(read.questions), -1).tolist()
