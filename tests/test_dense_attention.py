@@ -23,7 +23,6 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
-from vllm_d3 import DENSE_ATTENTION_BACKEND
 from vllm_d3.v1.attention.backends import d3_prefix_bidir
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3DenseFlashAttentionBackend,
@@ -32,6 +31,10 @@ from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     dense_piece_metadata,
     dense_pieces,
 )
+
+#: The registry member the full-attention layers get: vLLM's CUSTOM with the
+#: plugin, the backend's own in-tree.
+MEMBER = AttentionBackendEnum[d3_prefix_bidir.REGISTRY_MEMBER]
 
 # (state tokens s, prompt length n, tokens computed before this step c)
 Row = tuple[int, int, int]
@@ -159,10 +162,9 @@ def test_routing():
 
 def test_backend_registration():
     load_general_plugins()  # as every vLLM process does
-    backend = AttentionBackendEnum.CUSTOM
-    assert backend.get_path() == DENSE_ATTENTION_BACKEND
-    assert backend.get_class() is D3PrefixBidirAttentionBackend
-    assert D3PrefixBidirAttentionBackend.get_name() == "CUSTOM"
+    assert MEMBER.get_class() is D3PrefixBidirAttentionBackend
+    # The layer looks its backend up in AttentionBackendEnum by this name.
+    assert D3PrefixBidirAttentionBackend.get_name() == MEMBER.name
     assert D3PrefixBidirAttentionBackend.general_backend_cls is TritonAttentionBackend
     assert D3PrefixBidirAttentionBackend.causal_backend_cls is (
         D3DenseFlashAttentionBackend
@@ -176,7 +178,7 @@ def test_backend_registration():
 def test_the_selection_survives_a_spawned_process():
     # A spawned engine core unpickles the config before any plugin loads: the
     # backend must be a member every process has.
-    pickled = pickle.dumps({"full_attention": AttentionBackendEnum.CUSTOM})
+    pickled = pickle.dumps({"full_attention": MEMBER})
     code = "import pickle, sys; print(pickle.loads(sys.stdin.buffer.read()))"
     result = subprocess.run(
         [sys.executable, "-c", code],
@@ -185,7 +187,7 @@ def test_the_selection_survives_a_spawned_process():
         check=True,
         env={**os.environ, "VLLM_PLUGINS": ""},
     )
-    assert b"AttentionBackendEnum.CUSTOM" in result.stdout
+    assert f"AttentionBackendEnum.{MEMBER.name}".encode() in result.stdout
 
 
 def test_platform_probe_on_the_cpu():
@@ -200,7 +202,7 @@ def engine_config(path, **kwargs):
 def hook_log(monkeypatch):
     """The config hook's INFO lines. (vLLM configures logging during the first
     config it builds, which resets the handlers of loggers under its own.)"""
-    from vllm_d3.model_executor.models import config as hook
+    from vllm_d3.model_executor.models import d3_serving as hook
 
     lines: list[str] = []
     monkeypatch.setattr(hook.logger, "info", lambda msg, *a: lines.append(msg % a))
@@ -216,7 +218,7 @@ def hopper(monkeypatch):
 def test_hook_selects_dense_pieces_where_they_run(make_checkpoint, hopper, hook_log):
     config = engine_config(make_checkpoint(weights=False))
     selected = config.attention_config.backend_per_kind
-    assert selected == {"full_attention": AttentionBackendEnum.CUSTOM}
+    assert selected == {"full_attention": MEMBER}
     assert config.attention_config.backend is None
     assert "full-attention layers on D3_PREFIX_BIDIR" in "\n".join(hook_log)
 
@@ -282,6 +284,21 @@ def test_a_chosen_backend_wins(make_checkpoint, hopper, hook_log):
     assert config.attention_config.backend_per_kind == {}
     assert config.attention_config.backend == AttentionBackendEnum.TRITON_FLASH_ATTN
     assert "not D3_PREFIX_BIDIR: TRITON_FLASH_ATTN was chosen" in "\n".join(hook_log)
+
+
+@pytest.mark.plugin
+def test_a_custom_backend_of_another_plugin_is_left_alone(
+    make_checkpoint, hopper, hook_log, monkeypatch
+):
+    from vllm_d3.model_executor.models import config as plugin_hook
+
+    monkeypatch.setattr(plugin_hook, "owns_custom_backend", lambda: False)
+    config = engine_config(make_checkpoint(weights=False))
+    assert config.attention_config.backend_per_kind == {}
+    assert config.additional_config["d3_state_once"] is False
+    assert "the CUSTOM attention backend belongs to another plugin" in (
+        "\n".join(hook_log)
+    )
 
 
 @pytest.mark.parametrize("mode", ["causal", "noncausal_full_attention"])

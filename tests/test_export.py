@@ -19,6 +19,7 @@ from vllm_d3.export import (
     apply_patch,
     export_series,
     in_tree_modules,
+    in_tree_test_args,
     installed_vllm,
     patched_tree,
 )
@@ -128,6 +129,18 @@ def test_a_moved_anchor_stops_the_export_naming_it(source, found):
         edit.apply(source)
 
 
+def test_a_test_left_for_a_later_commit_runs_once_that_commit_is_in():
+    first = Patch("a", "", (), ("t/a.py", "t/b.py", "--deselect=t/b.py::x"), "")
+    later = Patch("b", "", (), ("t/c.py", "t/b.py::x", "t/d.py::y"), "")
+    assert in_tree_test_args([first]) == ["t/a.py", "t/b.py", "--deselect=t/b.py::x"]
+    assert in_tree_test_args([first, later]) == [
+        "t/a.py",
+        "t/b.py",
+        "t/c.py",
+        "t/d.py::y",
+    ]
+
+
 def test_an_anchor_is_replaced_once():
     assert Edit("f.py", anchor="b\n", text="b\nc\n").apply("a\nb\n") == "a\nb\nc\n"
 
@@ -181,8 +194,7 @@ def test_the_cpu_tests_pass_in_tree_without_the_plugin(exported):
     probe = in_tree(tree, "-c", PROBE)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == [str(tree / "vllm" / "__init__.py"), "[]"]
-    tests = [test for patch in SERIES for test in patch.tests]
-    run = in_tree(tree, *PYTEST, *tests)
+    run = in_tree(tree, *PYTEST, *in_tree_test_args(SERIES))
     assert run.returncode == 0, run.stdout[-3000:]
     # Only the tests of how the plugin reaches vLLM (and GPU tests) are skipped.
     skipped = [line for line in run.stdout.splitlines() if line.startswith("SKIPPED")]

@@ -10,7 +10,8 @@ Contract:
   - ``NewFile``: a module of this package written whole at the upstream path it
     mirrors (``vllm_d3/x/y.py`` -> ``vllm/x/y.py``), its ``vllm_d3`` imports
     read as ``vllm`` ones and its ``"vllm."``-prefixed logger name as the plain
-    module name (in-tree modules already sit under the ``vllm`` logger);
+    module name (in-tree modules already sit under the ``vllm`` logger); its
+    ``in_tree`` pairs name the few lines that read otherwise in-tree;
   - ``Edit``: a small anchored change to an existing upstream file. The anchor
     must occur exactly once; otherwise ``ExportError`` names the file and the
     anchor, so that a 0.33.x release that moved the code stops the export
@@ -18,6 +19,7 @@ Contract:
   - ``backports``: the modules of this package that give the plugin a commit's
     edits (a hook vLLM 0.33.0 lacks), each at the path of the file it stands
     for; a new file that imports one imports the upstream file in-tree.
+- ``in_tree_test_args(patches)``: the pytest arguments of their tests together.
 - ``in_tree_modules()``: every module of this package that the series puts
   into vLLM, by its upstream name; the in-tree test run imports those in their
   place (``tests/conftest.py``).
@@ -40,6 +42,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +67,10 @@ class NewFile:
 
     module: str
     """Its path inside this package, e.g. ``model_executor/models/d3.py``."""
+    in_tree: tuple[tuple[str, str], ...] = ()
+    """Lines of the module that read otherwise in-tree, as ``(anchor, text)``
+    pairs applied like an ``Edit`` (e.g. the registry member the plugin borrows
+    where vLLM gets one of its own)."""
 
     @property
     def path(self) -> str:
@@ -71,6 +78,8 @@ class NewFile:
 
     def text(self) -> str:
         source = (Path(__file__).parent.parent / self.module).read_text()
+        for anchor, text in self.in_tree:
+            source = Edit(f"{PACKAGE}/{self.module}", anchor, text).apply(source)
         source = re.sub(rf"\b{PACKAGE}\.", f"{UPSTREAM}.", source)
         source = re.sub(rf"\bimport {PACKAGE}\b", f"import {UPSTREAM}", source)
         return re.sub(_PLUGIN_LOGGER, "logger = init_logger(__name__)", source)
@@ -102,14 +111,33 @@ class Patch:
     body: str
     changes: tuple[NewFile | Edit, ...]
     tests: tuple[str, ...]
-    """The CPU test files this commit makes pass in-tree, without the plugin
-    (pytest arguments: a ``--deselect`` leaves out a test a later commit needs)."""
+    """The CPU tests this commit makes pass in-tree, without the plugin (pytest
+    arguments: files, or tests a ``--deselect`` of an earlier commit left out;
+    a ``--deselect`` leaves out a test of a file here that a later commit
+    needs)."""
     control: str
     """A test of ``tests`` that fails on vLLM as released, without the plugin."""
     backports: tuple[str, ...] = ()
     """Modules of this package that give the plugin this commit's edits on vLLM
     as released, each at the path of the upstream file it stands for; in-tree
     that file is imported in its place (``in_tree_modules``)."""
+
+
+def in_tree_test_args(patches: Sequence[Patch]) -> list[str]:
+    """pytest arguments for the CPU tests of ``patches``, run on the tree they
+    make: each file once, the tests they name outside those files, and the
+    tests one leaves out that none of them names."""
+    args = [arg for patch in patches for arg in patch.tests]
+    named = {arg for arg in args if not arg.startswith("--")}
+    files = [arg for arg in named if "::" not in arg]
+    tests = [arg for arg in named if arg.split("::")[0] not in files]
+    left_out = {
+        arg
+        for arg in args
+        if arg.startswith("--deselect=")
+        and arg.removeprefix("--deselect=") not in named
+    }
+    return sorted(files) + sorted(tests) + sorted(left_out)
 
 
 def _module_name(package: str, module: str) -> str:

@@ -611,6 +611,104 @@ class D3Strategy(D3StateBlockReads, ReadStrategy):
     backports=("entrypoints/openai/decisions/strategies.py",),
 )
 
+_REGISTRY = "vllm/v1/attention/backends/registry.py"
+
+DENSE_ATTENTION = Patch(
+    title="[Attention] D3 prefix_bidir: dense pieces on FlashAttention 3, state once",
+    body="""\
+A prefix_bidir row is not causal attention, and the ranged Triton kernel that
+applies its ranges scans every key for every query (about 50 TFLOP/s on long
+prompts on an H200). Every attention piece of such a row is dense and
+non-causal: the state over the state's keys, each question over the state's
+keys and its own.
+
+D3_PREFIX_BIDIR, a composite of ranged Triton and FlashAttention 3 whose
+builder rewrites a batch of ranged rows into those pieces (virtual sequences:
+cu_seqlens per piece, seqused_k the piece's last key + 1, the row's block-table
+row per piece, causal=False). A row that packs several questions after one
+state also runs each question over its own fresh keys, merged with the
+question's state pass by log-sum-exp (merge_attn_states). A batch that does not
+split into pieces (a prompt split across steps) runs on ranged Triton, logged
+once; a packed row there is refused, since no kernel computes its mask. Its
+kernel blocks are 80 tokens, FlashAttention 3's key tile at head_dim 256.
+
+The D3 config hook (the new d3_serving module) puts the full-attention layers
+of prefix_bidir checkpoints on it where the platform runs it (Hopper with
+FlashAttention 3) and the user chose no backend, and then decides once, for
+every process, whether /v1/systemone reads each request's state once (packed
+questions; additional_config d3_state_once, which the user can turn off) and
+keeps the Gated DeltaNet prefill on Triton/FLA, the kernel the packed path was
+validated on, unless --gdn-prefill-backend chose another. Each decision is
+logged with its reason.""",
+    changes=(
+        Edit(
+            _REGISTRY,
+            anchor="""\
+    TRITON_FLASH_ATTN = (
+        "vllm.v1.attention.backends.triton_flash_attn.TritonFlashAttentionBackend"
+    )
+""",
+            text="""\
+    TRITON_FLASH_ATTN = (
+        "vllm.v1.attention.backends.triton_flash_attn.TritonFlashAttentionBackend"
+    )
+    D3_PREFIX_BIDIR = (
+        "vllm.v1.attention.backends.d3_prefix_bidir.D3PrefixBidirAttentionBackend"
+    )
+""",
+        ),
+        NewFile(
+            "v1/attention/backends/d3_prefix_bidir.py",
+            in_tree=(
+                (
+                    """\
+#: The ``AttentionBackendEnum`` member the layers look this backend up by: the
+#: plugin registers it as ``CUSTOM``, a member every process has, so that a
+#: config naming it unpickles in spawned engine and worker processes (one added
+#: at run time would not).
+REGISTRY_MEMBER = "CUSTOM"
+""",
+                    """\
+#: The ``AttentionBackendEnum`` member the layers look this backend up by.
+REGISTRY_MEMBER = BACKEND_NAME
+""",
+                ),
+            ),
+        ),
+        NewFile("model_executor/models/d3_serving.py"),
+        Edit(
+            _CONFIG,
+            anchor="""\
+    check_prefix_bidir_serving,
+)
+""",
+            text="""\
+    check_prefix_bidir_serving,
+)
+from vllm.model_executor.models.d3_serving import select_prefix_bidir_serving
+""",
+        ),
+        Edit(
+            _CONFIG,
+            anchor="""\
+        check_prefix_bidir_serving(vllm_config)
+""",
+            text="""\
+        check_prefix_bidir_serving(vllm_config)
+        select_prefix_bidir_serving(vllm_config)
+""",
+        ),
+    ),
+    tests=(
+        "tests/test_dense_attention.py",
+        "tests/test_strategy.py::test_state_once_packs_the_questions",
+        "tests/test_strategy.py::test_a_pack_too_long_for_the_engine_is_split",
+        "tests/test_entrypoints.py::test_packed_requests_need_state_once",
+    ),
+    control="tests/test_dense_attention.py::"
+    "test_hook_selects_dense_pieces_where_they_run",
+)
+
 SERIES: tuple[Patch, ...] = (
     CONTRACT,
     SYSTEMONE_BODIES,
@@ -618,4 +716,5 @@ SERIES: tuple[Patch, ...] = (
     PREFIX_RANGES_HOOK,
     MODEL_STATE,
     STATE_BLOCK_READS,
+    DENSE_ATTENTION,
 )

@@ -48,12 +48,10 @@ instead of the ranged Triton kernel that scans every key for every row.
   tokens, so vLLM sizes the hybrid KV block of d3-turbo at 800 tokens instead of
   784: whole key tiles per page, which FlashAttention 3 reads faster.
 
-The plugin registers the backend as vLLM's ``CUSTOM`` attention backend (a
-member that exists in every process, so a config that names it pickles into
-spawned engine and worker processes; a member added at run time would not). The
-config hook selects it for the full-attention layers of prefix_bidir checkpoints
-where ``dense_attention_unavailable`` finds nothing missing: a Hopper GPU with
-vLLM's FlashAttention 3.
+The config hook (``model_executor/models/d3_serving.py``) selects it, as the
+``AttentionBackendEnum`` member ``REGISTRY_MEMBER``, for the full-attention
+layers of prefix_bidir checkpoints where ``dense_attention_unavailable`` finds
+nothing missing: a Hopper GPU with vLLM's FlashAttention 3.
 """
 
 from dataclasses import dataclass, fields
@@ -80,8 +78,13 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 from vllm.v1.kv_cache_interface import KVCacheSpec, is_quantized_kv_cache
 
-#: The backend's name in logs; vLLM's selector knows it as ``CUSTOM``.
+#: The backend's name in logs.
 BACKEND_NAME = "D3_PREFIX_BIDIR"
+#: The ``AttentionBackendEnum`` member the layers look this backend up by: the
+#: plugin registers it as ``CUSTOM``, a member every process has, so that a
+#: config naming it unpickles in spawned engine and worker processes (one added
+#: at run time would not).
+REGISTRY_MEMBER = "CUSTOM"
 #: FlashAttention 3's key tile at head_dim 256 on Hopper, in tokens; a multiple
 #: of 16, the paged kernels' own alignment.
 KEY_TILE_TOKENS = 80
@@ -503,8 +506,7 @@ D3PrefixBidirAttentionBackend = create_composite_attention_backend(
     TritonAttentionBackend,
     D3DenseFlashAttentionBackend,
     name="D3PrefixBidirAttentionBackend",
-    # The layer looks its backend up in AttentionBackendEnum by this name.
-    backend_name="CUSTOM",
+    backend_name=REGISTRY_MEMBER,
     module=__name__,
     routing_policy=DensePieceRouting,
 )

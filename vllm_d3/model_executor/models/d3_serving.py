@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What a D3 prefix_bidir checkpoint is served with, decided once by the config
+hook (upstream: ``model_executor/models/d3_serving.py``, a new file).
+
+``select_prefix_bidir_serving(vllm_config)``, which
+``D3ForSequenceClassificationConfig.verify_and_update_config`` calls, writes
+its decisions into the config, so that every process (front end, engine,
+workers) agrees, and logs each with the reason:
+
+- the full-attention layers run the dense-piece backend
+  (``v1/attention/backends/d3_prefix_bidir.py``, the ``AttentionBackendEnum``
+  member it names) through ``attention_config.backend_per_kind`` when the user
+  chose no attention backend and the platform runs it (a Hopper GPU with
+  FlashAttention 3); otherwise vLLM's own selection (ranged attention) stays;
+- where the dense pieces serve, /v1/systemone reads each request's state once
+  (``additional_config["d3_state_once"]``, true) unless the user set it false
+  or the KV cache is quantized or context parallelism is on;
+- the Gated DeltaNet prefill kernel is Triton/FLA (the validated one) unless
+  ``--gdn-prefill-backend`` chose another, which is logged as unvalidated for
+  the state-once path.
+
+Other checkpoints are left as they are.
+"""
+
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+
+from vllm_d3.model_executor.models.d3_contract import (
+    STATE_ONCE_KEY,
+    decision_config_of,
+    is_prefix_bidir,
+    state_once_of,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# Under the "vllm" logger, so that it shares vLLM's handlers and level.
+logger = init_logger(f"vllm.{__name__}")
+#: Where ``--gdn-prefill-backend`` lands (``vllm_config.additional_config``).
+GDN_PREFILL_BACKEND_KEY = "gdn_prefill_backend"
+#: The Gated DeltaNet prefill kernel every GPU validation of the state-once path
+#: ran on (Triton/FLA); vLLM's "auto" would pick FlashInfer on Hopper.
+VALIDATED_GDN_PREFILL_BACKEND = "triton"
+
+
+def select_prefix_bidir_serving(
+    vllm_config: "VllmConfig", unavailable: str | None = None
+) -> None:
+    """Decide the attention backend, the state-once reads and the GDN prefill
+    kernel of a prefix_bidir checkpoint (``unavailable``: why the dense-piece
+    backend cannot be used, where the caller knows)."""
+    if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
+        return
+    dense_attention = _select_full_attention(vllm_config, unavailable)
+    _select_reads(vllm_config, dense_attention)
+
+
+def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -> bool:
+    """Put the full-attention layers on the dense-piece backend where it runs;
+    whether it does."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import KVCacheSpecKind
+
+    from vllm_d3.v1.attention.backends import d3_prefix_bidir
+
+    attention = vllm_config.attention_config
+    kind = KVCacheSpecKind.FULL_ATTENTION.value
+    chosen = attention.backend_per_kind.get(kind, attention.backend)
+    reason: str | None
+    if chosen is not None:
+        reason = f"{chosen.name} was chosen"
+    elif unavailable is not None:
+        reason = unavailable
+    elif attention.flash_attn_version not in (None, 3):
+        reason = f"FlashAttention {attention.flash_attn_version} was chosen"
+    else:
+        reason = d3_prefix_bidir.dense_attention_unavailable()
+    if reason is None:
+        attention.backend_per_kind[kind] = AttentionBackendEnum[
+            d3_prefix_bidir.REGISTRY_MEMBER
+        ]
+        logger.info(
+            "D3 prefix_bidir: full-attention layers on %s (FlashAttention 3 over "
+            "dense state and question pieces; ranged Triton for a batch that does "
+            "not split into them). --attention-backend TRITON_FLASH_ATTN selects "
+            "vLLM's ranged attention instead.",
+            d3_prefix_bidir.BACKEND_NAME,
+        )
+        return True
+    logger.info(
+        "D3 prefix_bidir: full-attention layers on vLLM's own selection "
+        "(ranged attention), not %s: %s",
+        d3_prefix_bidir.BACKEND_NAME,
+        reason,
+    )
+    return False
+
+
+def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
+    """Decide, once for every process, whether /v1/systemone reads a request's
+    state once (packed questions), and keep the Gated DeltaNet prefill on the
+    kernel the packed path was validated on."""
+    extra = vllm_config.additional_config
+    if not isinstance(extra, dict):
+        raise ValueError(
+            "D3 prefix_bidir needs --additional-config to be a JSON object, not "
+            f"{type(extra).__name__}"
+        )
+    if not state_once_of(extra):
+        why_not: str | None = f"{STATE_ONCE_KEY} is false"
+    elif not dense_attention:
+        why_not = "reading the state once needs the dense-piece attention"
+    elif is_quantized_kv_cache(vllm_config.cache_config.cache_dtype):
+        # Packed rows merge two FlashAttention passes over bf16/fp16 keys.
+        why_not = "reading the state once needs a bf16/fp16 KV cache"
+    elif vllm_config.parallel_config.decode_context_parallel_size > 1:
+        why_not = "reading the state once does not run with context parallelism"
+    else:
+        why_not = None
+    extra[STATE_ONCE_KEY] = why_not is None
+    if why_not is None:
+        logger.info(
+            "D3 prefix_bidir: /v1/systemone reads each request's state once (the "
+            "questions packed into one engine request). --additional-config "
+            "'{\"%s\": false}' sends one engine request per question instead.",
+            STATE_ONCE_KEY,
+        )
+    else:
+        logger.info(
+            "D3 prefix_bidir: /v1/systemone sends one engine request per question (%s)",
+            why_not,
+        )
+    chosen = extra.get(GDN_PREFILL_BACKEND_KEY)
+    if chosen is None:
+        extra[GDN_PREFILL_BACKEND_KEY] = VALIDATED_GDN_PREFILL_BACKEND
+        logger.info(
+            "D3 prefix_bidir: Gated DeltaNet prefill on %s, the kernel its "
+            "state-once path was validated on (--gdn-prefill-backend chooses "
+            "another)",
+            VALIDATED_GDN_PREFILL_BACKEND,
+        )
+    elif chosen != VALIDATED_GDN_PREFILL_BACKEND and extra[STATE_ONCE_KEY]:
+        logger.warning(
+            "D3 prefix_bidir: --gdn-prefill-backend %s was chosen; the state-once "
+            "path restarts each question from the state on it unvalidated (it was "
+            "validated on %s)",
+            chosen,
+            VALIDATED_GDN_PREFILL_BACKEND,
+        )
