@@ -12,6 +12,7 @@ single prompts and mixed batches, fresh (c = 0) and partly computed (c > 0).
 import pytest
 
 from vllm_d3.testing.attention_layer import FullAttentionLayer, Prompt
+from vllm_d3.v1.attention.backends import d3_prefix_bidir
 
 pytestmark = pytest.mark.gpu
 
@@ -104,7 +105,8 @@ def test_the_check_sees_a_wrong_mask(layer):
 
 
 def test_the_served_layer_has_the_d3_backend(layer):
-    # vLLM's selector, given the config the plugin's hook made, chose the
+    # vLLM's selector, given the config the D3 hook made, chose the
     # composite for the full-attention kind; the reference needs nothing else.
     attention = layer.config.attention_config
-    assert attention.backend_per_kind["full_attention"].name == "CUSTOM"
+    member = attention.backend_per_kind["full_attention"]
+    assert member.name == d3_prefix_bidir.REGISTRY_MEMBER
