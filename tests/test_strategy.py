@@ -77,6 +77,8 @@ class RecordingEngine:
         self.reads: list[tuple[dict, object]] = []
         self.request_ids: list[str] = []
         self.logits = torch.linspace(2.0, -2.0, num_codes)
+        #: The message of the error every read answers, if set.
+        self.error: str | None = None
 
     async def encode(self, engine_input, params, request_id, **kwargs):
         self.reads.append((engine_input, params))
@@ -84,7 +86,7 @@ class RecordingEngine:
         questions = len((params.extra_kwargs or {}).get("d3_question_ends", [0]))
         data = torch.cat([self.logits * (k + 1) for k in range(questions)])
         yield SimpleNamespace(
-            error=None,
+            error=None if self.error is None else SimpleNamespace(message=self.error),
             outputs=SimpleNamespace(data=data),
             prompt_token_ids=engine_input["prompt_token_ids"],
             num_cached_tokens=0,
@@ -329,6 +331,17 @@ def test_a_pack_too_long_for_the_engine_is_split(make_checkpoint, caplog):
     assert sum(len(e) for e in ends) == len(QUESTIONS)
     # Each pack reads the state again, and usage says so.
     assert sum(a.input_tokens for a in answers) == sum(lengths)
+
+
+@pytest.mark.parametrize("state_once", [False, True])
+def test_an_engine_error_fails_the_read_naming_it(make_checkpoint, state_once):
+    strategy, engine = make_strategy(
+        make_checkpoint(weights=False), state_once=state_once
+    )
+    engine.error = "out of blocks"
+    with pytest.raises(ValueError, match="Failed to score the question: out of blocks"):
+        read(strategy, "a state")
+    assert len(engine.reads) == (1 if state_once else len(QUESTIONS))
 
 
 @pytest.mark.parametrize(

@@ -606,6 +606,8 @@ class D3Strategy(D3StateBlockReads, ReadStrategy):
         "tests/test_strategy.py",
         "--deselect=tests/test_strategy.py::test_state_once_packs_the_questions",
         "--deselect=tests/test_strategy.py::test_a_pack_too_long_for_the_engine_is_split",
+        "--deselect=tests/test_strategy.py::"
+        "test_an_engine_error_fails_the_read_naming_it[True]",
     ),
     control="tests/test_strategy.py::test_a_straddling_token_goes_to_the_question",
     backports=("entrypoints/openai/decisions/strategies.py",),
@@ -703,6 +705,7 @@ from vllm.model_executor.models.d3_serving import select_prefix_bidir_serving
         "tests/test_dense_attention.py",
         "tests/test_strategy.py::test_state_once_packs_the_questions",
         "tests/test_strategy.py::test_a_pack_too_long_for_the_engine_is_split",
+        "tests/test_strategy.py::test_an_engine_error_fails_the_read_naming_it[True]",
         "tests/test_entrypoints.py::test_packed_requests_need_state_once",
     ),
     control="tests/test_dense_attention.py::"
