@@ -40,7 +40,7 @@ from vllm_d3.model_executor.models.d3_contract import (
     decision_config_of,
     is_prefix_bidir,
     question_ends_of,
-    state_once_of,
+    state_once_decided,
     state_tokens_of,
 )
 
@@ -104,7 +104,7 @@ def check_state_blocks(vllm_config: VllmConfig, request: EngineCoreRequest) -> N
         ) from e
     try:
         ends = question_ends_of(extra, prompt_len, state_tokens)
-        if len(ends) > 1 and not state_once_of(vllm_config.additional_config):
+        if len(ends) > 1 and not state_once_decided(vllm_config.additional_config):
             # Ranged attention would let each question see the ones before it.
             raise ValueError(
                 f"this server reads one question per request ({STATE_ONCE_KEY} "

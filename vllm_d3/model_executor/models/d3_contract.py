@@ -14,7 +14,9 @@ config hook (start-up), the read strategy (API server) and the worker:
 - ``check_prompt_layout``: only the ``d3`` layout (or none) is understood.
 - ``temperature_schedule_of``: the d3-ultra ``temperature_by_questions`` rule or None.
 - ``state_tokens_of``: the ``d3_state_tokens`` a prefix_bidir request must carry.
-- ``state_once_of``: the ``d3_state_once`` switch of ``--additional-config``.
+- ``state_once_of``: the ``d3_state_once`` switch of ``--additional-config``
+  (the user's, true when absent); ``state_once_decided``: the config hook's
+  decision, written back under the same key (no when absent).
 - ``question_ends_of``: the ``d3_question_ends`` of a packed request (the state
   read once, then several question blocks), or the one question of any other.
 - ``StateBlock``: one request's state size and question block ends, with the
@@ -268,6 +270,15 @@ def state_once_of(additional_config: Any) -> bool:
             f"--additional-config {STATE_ONCE_KEY} must be true or false, not {value!r}"
         )
     return value
+
+
+def state_once_decided(additional_config: Any) -> bool:
+    """Whether requests are read state once: the config hook's decision, which
+    it writes back as ``additional_config["d3_state_once"]`` (absent: no)."""
+    return (
+        isinstance(additional_config, Mapping)
+        and additional_config.get(STATE_ONCE_KEY) is True
+    )
 
 
 #: Per batch row, the ranges ``StateBlock.ranges`` gives (inclusive ends).

@@ -33,7 +33,7 @@ first question.
 """
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,10 +47,10 @@ from vllm.pooling_params import PoolingParams
 
 from vllm_d3.model_executor.models.d3_contract import (
     QUESTION_ENDS_KEY,
-    STATE_ONCE_KEY,
     STATE_TOKENS_KEY,
     TemperatureSchedule,
     is_prefix_bidir,
+    state_once_decided,
     temperature_schedule_of,
 )
 
@@ -114,16 +114,12 @@ class D3StateBlockReads:
         engine_client = self.context.engine_client
         decision = engine_client.model_config.hf_config.decision_config
         vllm_config = engine_client.vllm_config
-        extra = vllm_config.additional_config
         self.prefix_bidir = is_prefix_bidir(decision)
         self.temperature_schedule: TemperatureSchedule | None = temperature_schedule_of(
             decision
         )
-        # The config hook writes its decision there, for every process.
-        self.state_once = (
-            self.prefix_bidir
-            and isinstance(extra, Mapping)
-            and extra.get(STATE_ONCE_KEY) is True
+        self.state_once = self.prefix_bidir and state_once_decided(
+            vllm_config.additional_config
         )
         self.max_pack_tokens = min(
             self.max_model_len, vllm_config.scheduler_config.max_num_batched_tokens
