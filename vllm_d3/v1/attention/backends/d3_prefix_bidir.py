@@ -78,6 +78,8 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 from vllm.v1.kv_cache_interface import KVCacheSpec, is_quantized_kv_cache
 
+from vllm_d3.model_executor.models.d3_contract import PrefixRanges
+
 #: The backend's name in logs.
 BACKEND_NAME = "D3_PREFIX_BIDIR"
 #: The ``AttentionBackendEnum`` member the layers look this backend up by: the
@@ -91,8 +93,6 @@ KEY_TILE_TOKENS = 80
 
 # Under the "vllm" logger, so that it shares vLLM's handlers and level.
 logger = init_logger(f"vllm.{__name__}")
-
-Ranges = dict[int, list[tuple[int, int]]]
 
 
 @dataclass(frozen=True)
@@ -125,20 +125,20 @@ def _tiled_spans(spans: list[tuple[int, int]], seq_len: int) -> bool:
     return next_start == seq_len
 
 
-def _spans(ranges: Ranges, row: int) -> list[tuple[int, int]]:
+def _spans(ranges: PrefixRanges, row: int) -> list[tuple[int, int]]:
     # A range with end < start is empty (a prompt that is all state).
     return sorted((a, b) for a, b in ranges.get(row, ()) if a <= b)
 
 
 def has_packed_rows(metadata: CommonAttentionMetadata) -> bool:
     """Whether a row holds a state and two or more question blocks."""
-    ranges: Ranges = metadata.mm_req_doc_ranges or {}
+    ranges: PrefixRanges = metadata.mm_req_doc_ranges or {}
     return any(len(_spans(ranges, row)) > 2 for row in ranges)
 
 
 def dense_pieces(metadata: CommonAttentionMetadata) -> DensePieces | None:
     """The batch's dense pieces, or None when it cannot be split into them."""
-    ranges: Ranges = metadata.mm_req_doc_ranges or {}
+    ranges: PrefixRanges = metadata.mm_req_doc_ranges or {}
     starts = metadata.query_start_loc_cpu.numpy()
     # Exact for prefill rows, the only rows that carry ranges.
     assert metadata.seq_lens_cpu_upper_bound is not None
