@@ -8,6 +8,8 @@ call of its hooks.
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
+from vllm_d3.model_executor.models.d3_contract import check_prefix_bidir_serving
+
 ULTRA = {
     "prompt_layout": "d3",
     "temperature_by_questions": {
@@ -155,3 +157,18 @@ def test_model_runner_v1_is_refused(make_checkpoint, monkeypatch):
 def test_prefix_bidir_refuses_caching_and_chunking(make_checkpoint, option, message):
     with pytest.raises(ValueError, match=message):
         engine_config(make_checkpoint(weights=False), **{option: True})
+
+
+def test_prefix_bidir_refuses_pipeline_parallelism(make_checkpoint):
+    # vLLM 0.33.0 builds no parallel config on a machine without GPUs, so the
+    # hook's own check is called on a config whose parallel layout is set.
+    config = engine_config(make_checkpoint(weights=False))
+    check_prefix_bidir_serving(config)
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="--tensor-parallel-size or --data-parallel"):
+        check_prefix_bidir_serving(config)
+    # Tensor and data parallelism are served.
+    config.parallel_config.pipeline_parallel_size = 1
+    config.parallel_config.tensor_parallel_size = 2
+    config.parallel_config.data_parallel_size = 2
+    check_prefix_bidir_serving(config)

@@ -361,12 +361,13 @@ def test_a_packed_row_becomes_state_once_pieces_and_gdn_phases(state):
     assert full.questions.token_index.tolist() == list(range(15, 30))
     assert full.questions.cu_seqlens.tolist() == [0, 4, 7, 15]
     # Gated DeltaNet, phase A: every token but p's questions, from the slots.
-    assert scan.state_tokens.tolist() == list(range(15))
+    # Both phases' tokens are consecutive: views, not gathers.
+    assert scan.state_tokens == slice(0, 15)
     assert scan.phase_a.non_spec_query_start_loc.tolist() == [0, 10, 15]
     assert scan.phase_a.non_spec_state_indices_tensor.tolist() == [3, 5]
     assert scan.phase_a.has_initial_state.tolist() == [False, False]
     # Phase B: each question from a copy of p's slot (scratch slots 1, 2, 3).
-    assert scan.question_tokens.tolist() == list(range(15, 30))
+    assert scan.question_tokens == slice(15, 30)
     assert scan.question_slots.tolist() == [5, 5, 5]
     assert scan.phase_b.non_spec_query_start_loc.tolist() == [0, 4, 7, 15]
     assert scan.phase_b.non_spec_state_indices_tensor.tolist() == [1, 2, 3]
@@ -419,15 +420,24 @@ STEP = [
 ]
 
 
-def scan_step(state, restart: bool, wrap=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and outputs of one GDN-like layer over ``STEP`` (``wrap``, if
+#: One packed request alone: both phases' tokens are consecutive (views).
+ALONE = [("p", 20, PACKED, 5)]
+
+
+def scan_step(
+    state, restart: bool, wrap=None, step=STEP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and outputs of one GDN-like layer over ``step`` (``wrap``, if
     given, is applied to the layer first)."""
     model_state, config = state
-    for index, (req_id, n, extra, _) in enumerate(STEP):
+    for index, (req_id, n, extra, _) in enumerate(step):
         model_state.add_request(index, new_request(req_id, n, extra))
-    order = [req_id for req_id, *_ in STEP]
-    lens = [n for _, n, _, _ in STEP]
-    _, scan, gdn = hybrid_metadata(state, order, lens, [s for *_, s in STEP])
+    order = [req_id for req_id, *_ in step]
+    lens = [n for _, n, _, _ in step]
+    _, scan, gdn = hybrid_metadata(state, order, lens, [s for *_, s in step])
+    views = step is ALONE
+    assert isinstance(scan.state_tokens, slice) == views
+    assert isinstance(scan.question_tokens, slice) == views
     layer = ScanLayer(gdn[0], slots=8, restart=restart)
     if wrap is not None:
         wrap(layer)
@@ -442,19 +452,26 @@ def scan_step(state, restart: bool, wrap=None) -> tuple[torch.Tensor, torch.Tens
     return x, out
 
 
-def test_every_packed_question_restarts_from_its_own_state(state):
-    x, out = scan_step(state, restart=True)
-    # a (tokens 0-9) as it is; p (10-29): state 5, questions 4, 3, 8; r
-    # (30-43): state 6, questions 4, 4. Each question as if alone after its
-    # own request's state.
-    assert torch.allclose(out[:10], scan_alone(x[:10]))
-    for first, s, ends in [(10, 5, [9, 12, 20]), (30, 6, [10, 14])]:
-        state_x = x[first : first + s]
-        assert torch.allclose(out[first : first + s], scan_alone(state_x))
-        for start, end in zip([s, *ends[:-1]], ends, strict=True):
-            question = x[first + start : first + end]
-            alone = scan_alone(torch.cat([state_x, question]))
-            assert torch.allclose(out[first + start : first + end], alone[s:])
+@pytest.mark.parametrize("step", [STEP, ALONE], ids=["gathered", "views"])
+def test_every_packed_question_restarts_from_its_own_state(state, step):
+    x, out = scan_step(state, restart=True, step=step)
+    # Each request from its first batch token: a plain one as it is; a packed
+    # one's state as it is and each question as if alone after that state.
+    first = 0
+    for _, n, extra, _ in step:
+        s = extra["d3_state_tokens"]
+        ends = extra.get("d3_question_ends")
+        if ends is None:
+            own = x[first : first + n]
+            assert torch.allclose(out[first : first + n], scan_alone(own))
+        else:
+            state_x = x[first : first + s]
+            assert torch.allclose(out[first : first + s], scan_alone(state_x))
+            for start, end in zip([s, *ends[:-1]], ends, strict=True):
+                question = x[first + start : first + end]
+                alone = scan_alone(torch.cat([state_x, question]))
+                assert torch.allclose(out[first + start : first + end], alone[s:])
+        first += n
 
 
 def test_one_scan_over_a_packed_row_is_wrong(state):

@@ -129,3 +129,34 @@ def test_a_request_whose_questions_differ_in_state_is_not_packed(
     other = renderer.render({**REQUEST, "state": "Ticket 13: a refund."})[1]
     with pytest.raises(ValueError, match="do not share their state"):
         validation.packed_prompt([first, other])
+
+
+def _noul(yes: float) -> dict:
+    return {"type": "noul", "noul": yes, "probabilities": {"yes": yes, "no": 1 - yes}}
+
+
+def test_a_parallel_run_is_appended_to_the_page_as_its_own_section(tmp_path) -> None:
+    def results(served_yes: float) -> dict:
+        stats = compare([_noul(0.7)], [_noul(served_yes)])
+        return {
+            "versions": {"vllm": "0.33.0"},
+            "tables": {validation.HTTP_TABLE: {"text, 1 question": stats}},
+        }
+
+    page = tmp_path / "validation.md"
+    runs = {"one.json": results(0.71), "tp2.json": results(0.2)}
+    for name, run_results in runs.items():
+        (tmp_path / name).write_text(json.dumps(run_results))
+    report = ["report", "--out", str(page), "--run-command"]
+    validation.main([*report, "run one", str(tmp_path / "one.json")])
+    validation.main(
+        [*report, "run tp2", str(tmp_path / "tp2.json"), "--append", "Two GPUs: TP=2"]
+    )
+    text = page.read_text()
+    main, appended = text.split("\n## Two GPUs: TP=2\n")
+    assert main.startswith("# Validation") and "Command: `run one`" in main
+    assert f"\n## {validation.HTTP_TABLE}\n" in main and "| yes |" in main
+    # The appended run: its own command, its tables one level down, its verdict.
+    assert "Command: `run tp2`" in appended and "run one" not in appended
+    assert f"\n### {validation.HTTP_TABLE}\n" in appended and "| NO |" in appended
+    assert "\n## " not in appended

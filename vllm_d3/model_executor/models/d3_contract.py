@@ -141,6 +141,13 @@ def check_prefix_bidir_serving(vllm_config: "VllmConfig") -> None:
             "D3 prefix_bidir checkpoints do not support chunked prefill: a state "
             "or question block must be read whole. Drop --enable-chunked-prefill."
         )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError(
+            "D3 prefix_bidir checkpoints are served on several GPUs with "
+            "--tensor-parallel-size or --data-parallel-size; pipeline "
+            "parallelism has not been validated with their state/question ranges "
+            "and packed reads. Drop --pipeline-parallel-size."
+        )
 
 
 def check_prompt_layout(decision: Mapping[str, Any]) -> None:

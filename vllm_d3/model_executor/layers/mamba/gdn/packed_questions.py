@@ -63,14 +63,25 @@ class PackedRow:
     block: StateBlock
 
 
+#: A phase's batch tokens: a slice where they are consecutive, else their indices.
+PhaseTokens = slice | torch.Tensor
+
+
+def _phase_tokens(indices: np.ndarray, device: torch.device) -> PhaseTokens:
+    """``indices`` (ascending, distinct) as a slice if they are consecutive."""
+    if len(indices) and indices[-1] - indices[0] + 1 == len(indices):
+        return slice(int(indices[0]), int(indices[-1]) + 1)
+    return torch.from_numpy(indices).to(device)
+
+
 @dataclass(frozen=True)
 class StepPhases:
     """A step's two GDN phases; the metadata is per KV-cache group."""
 
-    state_tokens: torch.Tensor
-    """(num_a,) int64, the batch tokens phase A scans, in order."""
-    question_tokens: torch.Tensor
-    """(num_b,) int64, the question blocks' tokens, in order."""
+    state_tokens: PhaseTokens
+    """The batch tokens phase A scans, in order."""
+    question_tokens: PhaseTokens
+    """The question blocks' tokens, in order."""
     question_rows: torch.Tensor
     """(num_questions,) int64, the batch row each question restarts from."""
     phase_a: CommonAttentionMetadata
@@ -85,8 +96,8 @@ class PackedGDNAttentionMetadata(GDNAttentionMetadata):
     phase_b: GDNAttentionMetadata | None = None
     question_slots: torch.Tensor | None = None
     """(num_questions,) the state slot each question restarts from."""
-    state_tokens: torch.Tensor | None = None
-    question_tokens: torch.Tensor | None = None
+    state_tokens: PhaseTokens | None = None
+    question_tokens: PhaseTokens | None = None
 
 
 def _common(
@@ -147,8 +158,8 @@ def step_phases(
     # Scratch slots 1..Q: slot 0 is the null block, which the kernels skip.
     scratch_slots = torch.arange(1, len(lens_b) + 1, dtype=torch.int32, device=device)
     return StepPhases(
-        state_tokens=torch.from_numpy(state_tokens).to(device),
-        question_tokens=torch.from_numpy(np.concatenate(question_tokens)).to(device),
+        state_tokens=_phase_tokens(state_tokens, device),
+        question_tokens=_phase_tokens(np.concatenate(question_tokens), device),
         question_rows=torch.as_tensor(question_rows, dtype=torch.int64, device=device),
         phase_a=_common(
             lens_a,
@@ -221,9 +232,13 @@ def forward_packed_questions(
     assert isinstance(all_metadata, dict)
     assert metadata.question_slots is not None
 
-    def scan(phase: GDNAttentionMetadata | None, tokens: torch.Tensor | None) -> None:
+    def scan(phase: GDNAttentionMetadata | None, tokens: PhaseTokens | None) -> None:
         assert phase is not None and tokens is not None
         all_metadata[layer.prefix] = phase
+        if isinstance(tokens, slice):
+            # Row slices of the layer's tensors: the core writes in place.
+            forward_core(mixed_qkv[tokens], b[tokens], a[tokens], core_attn_out[tokens])
+            return
         out = core_attn_out.new_zeros((len(tokens), *core_attn_out.shape[1:]))
         forward_core(
             mixed_qkv.index_select(0, tokens),
