@@ -36,7 +36,10 @@ from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.utils import AttentionGroup
 
-from vllm_d3.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+from vllm_d3.model_executor.layers.mamba.gdn import (
+    packed_questions,
+    qwen_gdn_linear_attn,
+)
 from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     PackedRow,
     forward_packed_questions,
@@ -366,12 +369,37 @@ def test_a_packed_row_becomes_state_once_pieces_and_gdn_phases(state):
     assert scan.phase_a.non_spec_query_start_loc.tolist() == [0, 10, 15]
     assert scan.phase_a.non_spec_state_indices_tensor.tolist() == [3, 5]
     assert scan.phase_a.has_initial_state.tolist() == [False, False]
-    # Phase B: each question from a copy of p's slot (scratch slots 1, 2, 3).
-    assert scan.question_tokens == slice(15, 30)
-    assert scan.question_slots.tolist() == [5, 5, 5]
-    assert scan.phase_b.non_spec_query_start_loc.tolist() == [0, 4, 7, 15]
-    assert scan.phase_b.non_spec_state_indices_tensor.tolist() == [1, 2, 3]
-    assert scan.phase_b.has_initial_state.tolist() == [True, True, True]
+    # Phase B, one scan: each question from a copy of p's slot (scratch slots
+    # 1, 2, 3; slot 0 copies the null block).
+    (questions,) = scan.question_scans
+    assert questions.tokens == slice(15, 30)
+    assert questions.scratch_sources.tolist() == [0, 5, 5, 5]
+    assert questions.metadata.non_spec_query_start_loc.tolist() == [0, 4, 7, 15]
+    assert questions.metadata.non_spec_state_indices_tensor.tolist() == [1, 2, 3]
+    assert questions.metadata.has_initial_state.tolist() == [True, True, True]
+
+
+def test_phase_b_scans_a_bounded_number_of_questions_at_a_time(state, monkeypatch):
+    monkeypatch.setattr(packed_questions, "QUESTIONS_PER_SCAN", 2)
+    model_state, _ = state
+    for index, (req_id, n, extra, _) in enumerate(STEP):
+        model_state.add_request(index, new_request(req_id, n, extra))
+    _, scan, _ = hybrid_metadata(state, ["a", "p", "r"], [10, 20, 14], [3, 5, 7])
+    # p's questions at batch tokens 15-19, 19-22, 22-30 (row slot 5); r's at
+    # 36-40, 40-44 (slot 7): two at a time, the second scan across both rows.
+    first, second, third = scan.question_scans
+    assert first.tokens == slice(15, 22)
+    assert second.tokens.tolist() == [*range(22, 30), *range(36, 40)]
+    assert third.tokens == slice(40, 44)
+    assert [s.scratch_sources.tolist() for s in scan.question_scans] == [
+        [0, 5, 5],
+        [0, 5, 7],
+        [0, 7],
+    ]
+    assert second.metadata.non_spec_query_start_loc.tolist() == [0, 8, 12]
+    assert second.metadata.non_spec_state_indices_tensor.tolist() == [1, 2]
+    # Each continues from its row's state: p's after 5 tokens, r's after 6.
+    assert second.metadata.has_initial_state.tolist() == [True, True]
 
 
 class ScanLayer:
@@ -437,7 +465,8 @@ def scan_step(
     _, scan, gdn = hybrid_metadata(state, order, lens, [s for *_, s in step])
     views = step is ALONE
     assert isinstance(scan.state_tokens, slice) == views
-    assert isinstance(scan.question_tokens, slice) == views
+    gathered = [not isinstance(s.tokens, slice) for s in scan.question_scans]
+    assert any(gathered) != views
     layer = ScanLayer(gdn[0], slots=8, restart=restart)
     if wrap is not None:
         wrap(layer)
@@ -452,8 +481,15 @@ def scan_step(
     return x, out
 
 
-@pytest.mark.parametrize("step", [STEP, ALONE], ids=["gathered", "views"])
-def test_every_packed_question_restarts_from_its_own_state(state, step):
+@pytest.mark.parametrize(
+    ("step", "per_scan"),
+    [(STEP, 64), (ALONE, 64), (STEP, 2)],
+    ids=["gathered", "views", "two-per-scan"],
+)
+def test_every_packed_question_restarts_from_its_own_state(
+    state, monkeypatch, step, per_scan
+):
+    monkeypatch.setattr(packed_questions, "QUESTIONS_PER_SCAN", per_scan)
     x, out = scan_step(state, restart=True, step=step)
     # Each request from its first batch token: a plain one as it is; a packed
     # one's state as it is and each question as if alone after that state.
@@ -573,6 +609,7 @@ def test_each_gdn_group_restarts_from_its_own_slots(state):
     assert first.phase_a.non_spec_state_indices_tensor.tolist() == [3, 5]
     assert second.phase_a.non_spec_state_indices_tensor.tolist() == [6, 2]
     assert second.phase_a.non_spec_query_start_loc.tolist() == [0, 10, 15]
-    assert first.question_slots.tolist() == [5, 5, 5]
-    assert second.question_slots.tolist() == [2, 2, 2]
-    assert first.phase_b is second.phase_b
+    ((first_scan,), (second_scan,)) = first.question_scans, second.question_scans
+    assert first_scan.scratch_sources.tolist() == [0, 5, 5, 5]
+    assert second_scan.scratch_sources.tolist() == [0, 2, 2, 2]
+    assert first_scan.metadata is second_scan.metadata

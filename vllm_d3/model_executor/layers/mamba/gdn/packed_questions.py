@@ -16,15 +16,18 @@ metadata builders, the two phases of a step that holds packed rows:
   slot then holds its state at ``s``;
 - phase B: each question block as its own sequence, with an initial state
   (``seq_len = s + q_i``), reading state slot ``1 + i`` of a scratch copy (slot
-  0 is vLLM's null block, which the kernels skip).
+  0 is vLLM's null block, which the kernels skip). The questions are scanned
+  ``QUESTIONS_PER_SCAN`` at a time, so that a step's state copies stay bounded
+  however many questions it holds.
 
 ``forward_packed_questions(layer, forward_core, ...)`` is what
 ``QwenGatedDeltaNetAttention._forward_core`` runs first (in-tree, the method's
 first lines; with the plugin, ``restart_questions_from_state`` in
 ``qwen_gdn_linear_attn.py``): when the step's metadata for the layer is a
 ``PackedGDNAttentionMetadata``, it runs ``forward_core`` twice, phase A on the
-cache, then phase B on scratch copies of the packed rows' slots (one per
-question), bound as the layer's ``kv_cache`` for that call, and returns True.
+cache, then each scan of phase B on scratch copies of the packed rows' slots
+(one per question), bound as the layer's ``kv_cache`` for that call, and
+returns True.
 Otherwise it returns False and the method goes on unchanged. Phase B continues
 from an initial state the way chunked prefill does, which every GDN prefill
 backend implements; the config hook still selects the Triton/FLA backend, the
@@ -66,6 +69,13 @@ class PackedRow:
 #: A phase's batch tokens: a slice where they are consecutive, else their indices.
 PhaseTokens = slice | torch.Tensor
 
+#: Question blocks per phase-B scan. Each question costs three copies of a state
+#: slot in the scan (the scratch copy, the core's gather of its initial state and
+#: its final state; 3.2 MB each at d3-turbo's float32 48 x 128 x 128), none of
+#: which vLLM's memory profile sees: its profiling run skips the GDN core. A step
+#: of 64 packed requests can hold thousands of questions.
+QUESTIONS_PER_SCAN = 64
+
 
 def _phase_tokens(indices: np.ndarray, device: torch.device) -> PhaseTokens:
     """``indices`` (ascending, distinct) as a slice if they are consecutive."""
@@ -75,17 +85,36 @@ def _phase_tokens(indices: np.ndarray, device: torch.device) -> PhaseTokens:
 
 
 @dataclass(frozen=True)
+class QuestionScan:
+    """One scan of phase B: some question blocks, in batch order."""
+
+    tokens: PhaseTokens
+    """The blocks' batch tokens, in order."""
+    rows: torch.Tensor
+    """(questions,) int64, the batch row each block restarts from."""
+    metadata: CommonAttentionMetadata
+    """Block ``i`` from scratch slot ``1 + i``."""
+
+
+@dataclass(frozen=True)
 class StepPhases:
-    """A step's two GDN phases; the metadata is per KV-cache group."""
+    """A step's two GDN phases, for every KV-cache group."""
 
     state_tokens: PhaseTokens
     """The batch tokens phase A scans, in order."""
-    question_tokens: PhaseTokens
-    """The question blocks' tokens, in order."""
-    question_rows: torch.Tensor
-    """(num_questions,) int64, the batch row each question restarts from."""
     phase_a: CommonAttentionMetadata
-    phase_b: CommonAttentionMetadata
+    question_scans: tuple[QuestionScan, ...]
+
+
+@dataclass(frozen=True)
+class BuiltQuestionScan:
+    """A phase-B scan as one KV-cache group runs it."""
+
+    tokens: PhaseTokens
+    metadata: GDNAttentionMetadata
+    scratch_sources: torch.Tensor
+    """(1 + questions,) the group's state slot each scratch slot copies: the
+    null block, then each block's row."""
 
 
 @dataclass
@@ -93,11 +122,8 @@ class PackedGDNAttentionMetadata(GDNAttentionMetadata):
     """A step's GDN metadata (the fields, as built) plus its packed phases."""
 
     phase_a: GDNAttentionMetadata | None = None
-    phase_b: GDNAttentionMetadata | None = None
-    question_slots: torch.Tensor | None = None
-    """(num_questions,) the state slot each question restarts from."""
     state_tokens: PhaseTokens | None = None
-    question_tokens: PhaseTokens | None = None
+    question_scans: tuple[BuiltQuestionScan, ...] = ()
 
 
 def _common(
@@ -136,41 +162,51 @@ def step_phases(
     (set by ``packed_gdn_metadata``)."""
     query_lens = np.diff(query_start_loc).astype(np.int64)
     lens_a = query_lens.copy()
-    question_lens: list[int] = []
+    # Per question block, in batch order: its row, state length and tokens.
+    rows: list[int] = []
     restart_from: list[int] = []
-    question_rows: list[int] = []
-    question_tokens: list[np.ndarray] = []
+    blocks: list[np.ndarray] = []
     for p in packed:
         s = p.block.state_tokens
         lens_a[p.row] = s
-        lens = [end - start for start, end in p.block.question_blocks()]
-        question_lens.extend(lens)
-        restart_from.extend([s] * len(lens))
-        question_rows.extend([p.row] * len(lens))
-        question_tokens.append(
-            np.arange(p.token_start + s, p.token_start + p.block.prompt_len)
-        )
+        for start, end in p.block.question_blocks():
+            rows.append(p.row)
+            restart_from.append(s)
+            blocks.append(np.arange(p.token_start + start, p.token_start + end))
     starts = query_start_loc[:-1]
     state_tokens = np.concatenate(
         [np.arange(start, start + n) for start, n in zip(starts, lens_a, strict=True)]
     )
-    lens_b = np.asarray(question_lens, dtype=np.int64)
-    # Scratch slots 1..Q: slot 0 is the null block, which the kernels skip.
-    scratch_slots = torch.arange(1, len(lens_b) + 1, dtype=torch.int32, device=device)
+    scans = []
+    for first in range(0, len(blocks), QUESTIONS_PER_SCAN):
+        scan = slice(first, first + QUESTIONS_PER_SCAN)
+        lens_b = np.asarray([len(block) for block in blocks[scan]], dtype=np.int64)
+        # Scratch slots 1..n: slot 0 is the null block, which the kernels skip.
+        scratch_slots = torch.arange(
+            1, len(lens_b) + 1, dtype=torch.int32, device=device
+        )
+        scans.append(
+            QuestionScan(
+                tokens=_phase_tokens(np.concatenate(blocks[scan]), device),
+                rows=torch.as_tensor(rows[scan], dtype=torch.int64, device=device),
+                # Each question continues from a state that has seen s tokens.
+                metadata=_common(
+                    lens_b,
+                    np.asarray(restart_from[scan]) + lens_b,
+                    scratch_slots[:, None],
+                    device,
+                ),
+            )
+        )
     return StepPhases(
         state_tokens=_phase_tokens(state_tokens, device),
-        question_tokens=_phase_tokens(np.concatenate(question_tokens), device),
-        question_rows=torch.as_tensor(question_rows, dtype=torch.int64, device=device),
         phase_a=_common(
             lens_a,
             seq_lens - (query_lens - lens_a),
             torch.empty(0, 1, dtype=torch.int32, device=device),
             device,
         ),
-        # Each question continues from a state that has seen s tokens.
-        phase_b=_common(
-            lens_b, np.asarray(restart_from) + lens_b, scratch_slots[:, None], device
-        ),
+        question_scans=tuple(scans),
     )
 
 
@@ -181,36 +217,39 @@ def packed_gdn_metadata(
     phases: StepPhases,
 ) -> list[PackedGDNAttentionMetadata]:
     """Each KV-cache group's step metadata (``groups``: the metadata, its
-    builder and its block table) with the packed phases. Both phases are built
+    builder and its block table) with the packed phases. Every phase is built
     once, by the first group's builder; phase A is then re-gathered for each
     group's state slots, as vLLM does for its own groups
-    (``update_block_table``); phase B reads scratch slots, the same for all."""
+    (``update_block_table``); phase B's scans read scratch slots, the same for
+    every group, each a copy of a slot of the group's own."""
     num_reqs = phases.phase_a.num_reqs
     _, first_builder, first_table = groups[0]
     phase_a = first_builder.build(
         0, phases.phase_a.replace(block_table_tensor=first_table[:num_reqs])
     )
-    phase_b = first_builder.build(0, phases.phase_b)
+    scans = [
+        (scan, first_builder.build(0, scan.metadata)) for scan in phases.question_scans
+    ]
     return [
         PackedGDNAttentionMetadata(
             **{f.name: getattr(metadata, f.name) for f in fields(GDNAttentionMetadata)},
             phase_a=builder.update_block_table(
                 phase_a, block_table[:num_reqs], phases.phase_a.slot_mapping
             ),
-            phase_b=phase_b,
-            question_slots=block_table[phases.question_rows, 0].long(),
             state_tokens=phases.state_tokens,
-            question_tokens=phases.question_tokens,
+            question_scans=tuple(
+                BuiltQuestionScan(
+                    tokens=scan.tokens,
+                    metadata=built,
+                    scratch_sources=torch.nn.functional.pad(
+                        block_table[scan.rows, 0].long(), (1, 0)
+                    ),
+                )
+                for scan, built in scans
+            ),
         )
         for metadata, builder, block_table in groups
     ]
-
-
-def _scratch(state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Copies of ``state[slots]`` at slots 1.. (slot 0, the null block, unused)."""
-    scratch = state.new_empty((len(slots) + 1, *state.shape[1:]))
-    scratch[1:] = state.index_select(0, slots)
-    return scratch
 
 
 def forward_packed_questions(
@@ -230,7 +269,6 @@ def forward_packed_questions(
     if not isinstance(metadata, PackedGDNAttentionMetadata):
         return False
     assert isinstance(all_metadata, dict)
-    assert metadata.question_slots is not None
 
     def scan(phase: GDNAttentionMetadata | None, tokens: PhaseTokens | None) -> None:
         assert phase is not None and tokens is not None
@@ -251,11 +289,12 @@ def forward_packed_questions(
     cache = layer.kv_cache
     try:
         scan(metadata.phase_a, metadata.state_tokens)
-        # Each question from its own copy of its row's state after s tokens.
-        layer.kv_cache = tuple(
-            _scratch(state, metadata.question_slots) for state in cache
-        )
-        scan(metadata.phase_b, metadata.question_tokens)
+        for question_scan in metadata.question_scans:
+            # Each question from its own copy of its row's state after s tokens.
+            layer.kv_cache = tuple(
+                state.index_select(0, question_scan.scratch_sources) for state in cache
+            )
+            scan(question_scan.metadata, question_scan.tokens)
     finally:
         layer.kv_cache = cache
         all_metadata[layer.prefix] = metadata
