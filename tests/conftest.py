@@ -49,6 +49,21 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def allocator_settings():
+    """The caching allocator's environment variables, restored after each test:
+    a prefix_bidir config writes them for the engine processes it starts."""
+    from vllm.device_allocator.alloc_conf import ALLOC_CONF_ENV_VARS
+
+    saved = {name: os.environ.get(name) for name in ALLOC_CONF_ENV_VARS}
+    yield ALLOC_CONF_ENV_VARS
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory):
     """Write (once per set of options) a tiny D3 package and return its path."""

@@ -286,6 +286,76 @@ def test_a_chosen_backend_wins(make_checkpoint, hopper, hook_log):
     assert "not D3_PREFIX_BIDIR: TRITON_FLASH_ATTN was chosen" in "\n".join(hook_log)
 
 
+@pytest.fixture
+def no_allocator_settings(allocator_settings, monkeypatch):
+    """None of the caching allocator's variables set (restored after)."""
+    for name in allocator_settings:
+        monkeypatch.delenv(name, raising=False)
+    return allocator_settings
+
+
+def test_the_engine_allocator_gets_expandable_segments(
+    make_checkpoint, no_allocator_settings, hook_log
+):
+    config = engine_config(make_checkpoint(weights=False))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert {n for n in no_allocator_settings if n in os.environ} == {
+        "PYTORCH_CUDA_ALLOC_CONF"
+    }
+    steps = config.scheduler_config.max_num_batched_tokens
+    assert (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the engine: without "
+        f"chunked prefill its steps hold up to {steps} tokens"
+    ) in "\n".join(hook_log)
+
+
+@pytest.mark.parametrize(
+    ("name", "given", "expected"),
+    [
+        # Added to the settings in effect (this variable wins over the CUDA one).
+        (
+            "PYTORCH_ALLOC_CONF",
+            "max_split_size_mb:512",
+            "max_split_size_mb:512,expandable_segments:True",
+        ),
+        # The user's own choice, either way, stays.
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False", None),
+        (
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "roundup_power2_divisions:4,expandable_segments:True",
+            None,
+        ),
+    ],
+)
+def test_the_users_allocator_settings_are_kept(
+    make_checkpoint, no_allocator_settings, hook_log, monkeypatch, name, given, expected
+):
+    monkeypatch.setenv(name, given)
+    engine_config(make_checkpoint(weights=False))
+    assert os.environ[name] == (expected or given)
+    assert [n for n in no_allocator_settings if n in os.environ] == [name]
+    if expected is None:
+        assert f"CUDA caching allocator as configured ({given})" in "\n".join(hook_log)
+
+
+def test_a_kv_connector_keeps_the_allocator_segments_fixed(
+    make_checkpoint, no_allocator_settings, hook_log
+):
+    engine_config(
+        make_checkpoint(weights=False),
+        kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+    )
+    assert not any(name in os.environ for name in no_allocator_settings)
+    assert "without expandable segments: a KV connector is configured" in (
+        "\n".join(hook_log)
+    )
+
+
+def test_other_modes_leave_the_allocator_alone(make_checkpoint, no_allocator_settings):
+    engine_config(make_checkpoint(attention_mode="causal", weights=False))
+    assert not any(name in os.environ for name in no_allocator_settings)
+
+
 @pytest.mark.plugin
 def test_a_custom_backend_of_another_plugin_is_left_alone(
     make_checkpoint, hopper, hook_log, monkeypatch
