@@ -171,10 +171,10 @@ def _select_allocator(vllm_config: "VllmConfig") -> None:
 
     Without chunked prefill a step holds up to ``max_num_batched_tokens``
     (``max_model_len`` or more) tokens, and consecutive steps differ widely in
-    size. Their activations (4.25 GiB for one MLP buffer of a full 131,072-token
-    step at d3-turbo's shape) then no longer fit the blocks the steps before
-    left: on an H200 a 64-client text mix stopped the engine with 12-13 GiB
-    reserved but unallocated.
+    size, so a step's activations (4.25 GiB for one MLP buffer of a full
+    131,072-token step at d3-turbo's shape) may not fit the fixed segments the
+    steps before left: on an H200 a 64-client text mix stopped the engine with
+    12-13 GiB reserved but unallocated.
     """
     conf = alloc_conf_from_env()
     if any(f.partition(":")[0].strip() == EXPANDABLE_SEGMENTS for f in conf.split(",")):
@@ -187,8 +187,9 @@ def _select_allocator(vllm_config: "VllmConfig") -> None:
         )
         return
     # Where the user's settings are, else the variable vLLM's own checks read.
-    name = next((n for n in ALLOC_CONF_ENV_VARS if os.environ.get(n)), None)
-    name = name or "PYTORCH_CUDA_ALLOC_CONF"
+    name = next(
+        (n for n in ALLOC_CONF_ENV_VARS if os.environ.get(n)), "PYTORCH_CUDA_ALLOC_CONF"
+    )
     os.environ[name] = with_conf_flag(conf, EXPANDABLE_SEGMENTS, True)
     logger.info(
         "D3 prefix_bidir: %s=%s for the engine: without chunked prefill its steps "
