@@ -24,8 +24,8 @@ metadata builders, the two phases of a step that holds packed rows:
 ``QwenGatedDeltaNetAttention._forward_core`` runs first (in-tree, the method's
 first lines; with the plugin, ``restart_questions_from_state`` in
 ``qwen_gdn_linear_attn.py``): when the step's metadata for the layer is a
-``PackedGDNAttentionMetadata``, it runs ``forward_core`` twice, phase A on the
-cache, then each scan of phase B on scratch copies of the packed rows' slots
+``PackedGDNAttentionMetadata``, it runs ``forward_core`` for phase A on the
+cache, then once per scan of phase B on scratch copies of the packed rows' slots
 (one per question), bound as the layer's ``kv_cache`` for that call, and
 returns True.
 Otherwise it returns False and the method goes on unchanged. Phase B continues
@@ -177,14 +177,14 @@ def step_phases(
     state_tokens = np.concatenate(
         [np.arange(start, start + n) for start, n in zip(starts, lens_a, strict=True)]
     )
+    # Scratch slots 1..n: slot 0 is the null block, which the kernels skip.
+    scratch_slots = torch.arange(
+        1, QUESTIONS_PER_SCAN + 1, dtype=torch.int32, device=device
+    )
     scans = []
     for first in range(0, len(blocks), QUESTIONS_PER_SCAN):
         scan = slice(first, first + QUESTIONS_PER_SCAN)
         lens_b = np.asarray([len(block) for block in blocks[scan]], dtype=np.int64)
-        # Scratch slots 1..n: slot 0 is the null block, which the kernels skip.
-        scratch_slots = torch.arange(
-            1, len(lens_b) + 1, dtype=torch.int32, device=device
-        )
         scans.append(
             QuestionScan(
                 tokens=_phase_tokens(np.concatenate(blocks[scan]), device),
@@ -193,7 +193,7 @@ def step_phases(
                 metadata=_common(
                     lens_b,
                     np.asarray(restart_from[scan]) + lens_b,
-                    scratch_slots[:, None],
+                    scratch_slots[: len(lens_b), None],
                     device,
                 ),
             )
