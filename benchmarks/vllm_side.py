@@ -23,8 +23,12 @@ Contract:
   A server without those metrics gives no ``engine``.
 - ``closed_loop(url, pool, clients, ...)``: ``clients`` threads, each sending
   the next request of ``pool`` (round robin) as soon as its previous one is
-  answered. Requests answered with 200 inside the measuring window (after
-  ``warmup_s``, for ``duration_s`` or until ``max_requests`` were sent) count.
+  answered, until ``max_requests`` were sent. Requests begun inside the
+  measuring window (``duration_s`` after ``warmup_s``) count; a client still
+  finishes one such request after the window, however long it takes. The
+  requests per second are the sum over clients of each one's requests answered
+  with 200 over its span, from its first counted request's start to its last
+  one's end (questions per second likewise).
 """
 
 from __future__ import annotations
@@ -199,60 +203,69 @@ def closed_loop(
     max_requests: int,
 ) -> dict[str, Any]:
     lock = threading.Lock()
-    started = time.perf_counter()
-    window_start = started + warmup_s
+    window_start = time.perf_counter() + warmup_s
     window_end = window_start + duration_s
     sent = 0
-    capped_at: float | None = None
-    answered: list[tuple[float, float, int]] = []  # (end, latency, questions)
+    capped = False
+    # Per client, its requests begun inside the window that have finished:
+    # (began, ended, questions), questions None where the request failed.
+    finished: list[list[tuple[float, float, int | None]]] = [[] for _ in range(clients)]
     errors: list[str] = []
 
-    def client() -> None:
-        nonlocal sent, capped_at
+    def client(mine: list[tuple[float, float, int | None]]) -> None:
+        nonlocal sent, capped
         while True:
             with lock:
-                now = time.perf_counter()
-                if sent >= max_requests and capped_at is None:
-                    capped_at = now
-                if now >= window_end or sent >= max_requests:
+                # Past the window, a client still finishes one request begun
+                # in it: a step longer than the window is counted, not lost.
+                if time.perf_counter() >= window_end and mine:
+                    return
+                if sent >= max_requests:
+                    capped = True
                     return
                 request = pool[sent % len(pool)]
                 sent += 1
             began = time.perf_counter()
+            questions: int | None = question_count(request)
             try:
                 _systemone(url, request)
             except Exception as error:  # counted, the load goes on
+                questions = None
                 with lock:
                     errors.append(f"{type(error).__name__}: {str(error)[:200]}")
-                continue
-            end = time.perf_counter()
-            with lock:
-                answered.append((end, end - began, question_count(request)))
+            if began >= window_start:
+                mine.append((began, time.perf_counter(), questions))
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    threads = [threading.Thread(target=client, args=(m,)) for m in finished]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    end = window_end if capped_at is None else min(window_end, capped_at)
-    counted = [a for a in answered if window_start <= a[0] <= end]
-    span = end - window_start
-    if span <= 0 or not counted:
+    # A client sends back to back, so it is busy from its first counted
+    # request's start to its last one's end: its rate is its answers over that
+    # span, and the load's is the sum of its clients' rates.
+    per_client = [
+        (m[-1][1] - m[0][0], [(end - began, q) for began, end, q in m if q is not None])
+        for m in finished
+        if m
+    ]
+    latencies = sorted(latency for _, ok in per_client for latency, _ in ok)
+    if not latencies:
         return {
-            "status": "failed: no request answered inside the measuring window",
+            "status": "failed: no request begun inside the measuring window "
+            "was answered",
             "errors": len(errors),
             "first_errors": errors[:3],
         }
-    latencies = sorted(a[1] for a in counted)
     return {
         "status": "ok",
-        "requests_per_s": len(counted) / span,
-        "questions_per_s": sum(a[2] for a in counted) / span,
-        "requests": len(counted),
-        "window_s": span,
+        "requests_per_s": sum(len(ok) / span for span, ok in per_client),
+        "questions_per_s": sum(sum(q for _, q in ok) / span for span, ok in per_client),
+        "requests": len(latencies),
+        "window_s": max(m[-1][1] for m in finished if m) - window_start,
         "p50_latency_s": latencies[len(latencies) // 2],
         "sent": sent,
-        "capped": capped_at is not None,
+        "capped": capped,
         "errors": len(errors),
         "first_errors": errors[:3],
         "distinct_requests": len(pool),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -321,6 +322,10 @@ class _StubHandler(BaseHTTPRequestHandler):
     /metrics count one engine request of ``STUB_ENGINE_S`` per question, in
     Prometheus' text format, split over two label sets as vLLM's engines are."""
 
+    #: Where set, each answer waits for the end of the step under way: steps of
+    #: this many seconds, back to back from the server's start.
+    step_s = 0.0
+
     def log_message(self, *args: object) -> None:
         pass
 
@@ -356,6 +361,9 @@ class _StubHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)  # type: ignore[attr-defined]
+        if self.step_s:  # answer at the end of the step under way, as an engine
+            since = time.perf_counter() - self.server.started  # type: ignore[attr-defined]
+            time.sleep(self.step_s - since % self.step_s)
         tokens = 100 * len(body["questions"])
         self._reply({"answers": [], "usage": {"input_tokens": tokens}})
 
@@ -373,6 +381,7 @@ class _StubServer:
         self.flags, self.log_file = flags, log_file
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _StubHandler)
         self.httpd.bodies = []  # type: ignore[attr-defined]
+        self.httpd.started = time.perf_counter()  # type: ignore[attr-defined]
         _StubServer.started.append(self)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
@@ -499,6 +508,23 @@ def test_closed_loop_stops_at_the_request_cap(monkeypatch, tmp_path):
     assert load["capped"] is True
     assert load["sent"] == 20
     assert load["requests"] <= 20
+
+
+def test_closed_loop_counts_steps_longer_than_its_window(monkeypatch, tmp_path):
+    """Every answer comes at the end of a 0.4 s step, long after the 0.1 s
+    window: each client finishes the request it began in the window, and the
+    load serves its clients once per step."""
+    monkeypatch.setattr(_StubHandler, "step_s", 0.4)
+    with _StubServer("", log_file=tmp_path / "log") as server:
+        pool = row_requests(ROWS_BY_ID["text-4"], 2, seed=0, words_per_token=1.0)
+        load = vllm_side.closed_loop(
+            server.url, pool, 4, warmup_s=0.05, duration_s=0.1, max_requests=100
+        )
+    assert load["status"] == "ok"
+    assert load["requests"] == 4  # one per client, each begun in the window
+    assert load["window_s"] > 0.3  # it ended a step after the window's end
+    assert load["requests_per_s"] == pytest.approx(4 / 0.4, rel=0.1)
+    assert load["questions_per_s"] == pytest.approx(4 * 4 / 0.4, rel=0.1)
 
 
 def _pretend_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
