@@ -266,11 +266,12 @@ def markdown(results: dict[str, Any]) -> str:
         *_engine_table(results["latency"]),
         "## Throughput (closed loop over HTTP)",
         "",
-        f"Each run: {settings['throughput']['warmup_s']:g} s warm-up, then the "
-        f"requests begun in the next {settings['throughput']['duration_s']:g} s "
-        "count, each client finishing one such request however long it takes; "
-        "req/s is the sum over clients of each one's answers over its own span, "
-        "from its first counted request's start to its last one's end. The reference "
+        f"Each run: {settings['throughput']['warmup_s']:g} s warm-up; the requests "
+        "begun after it count. Each client sends for "
+        f"{settings['throughput']['duration_s']:g} s more, then until one request "
+        "of its own that counts has finished; req/s is the sum over clients of "
+        "each one's answers over its own span, from its first counted request's "
+        "start to its last one's end. The reference "
         "serves one request at a time: its figures are the mix's requests over "
         "the sum of their latency-row p50s. Ratios of the requests per second: "
         "above 1 means the first named serves more.",

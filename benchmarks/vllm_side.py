@@ -23,12 +23,12 @@ Contract:
   A server without those metrics gives no ``engine``.
 - ``closed_loop(url, pool, clients, ...)``: ``clients`` threads, each sending
   the next request of ``pool`` (round robin) as soon as its previous one is
-  answered, until ``max_requests`` were sent. Requests begun inside the
-  measuring window (``duration_s`` after ``warmup_s``) count; a client still
-  finishes one such request after the window, however long it takes. The
-  requests per second are the sum over clients of each one's requests answered
-  with 200 over its span, from its first counted request's start to its last
-  one's end (questions per second likewise).
+  answered, until ``max_requests`` were sent. Requests begun after
+  ``warmup_s`` count. A client sends for ``duration_s`` more, and after that
+  until one request of its own that counts has finished, however long a step
+  takes. The requests per second are the sum over clients of each one's
+  requests answered with 200 over its span, from its first counted request's
+  start to its last one's end (questions per second likewise).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def closed_loop(
     window_end = window_start + duration_s
     sent = 0
     capped = False
-    # Per client, its requests begun inside the window that have finished:
+    # Per client, its finished requests begun after the warm-up:
     # (began, ended, questions), questions None where the request failed.
     finished: list[list[tuple[float, float, int | None]]] = [[] for _ in range(clients)]
     errors: list[str] = []
@@ -216,8 +216,8 @@ def closed_loop(
         nonlocal sent, capped
         while True:
             with lock:
-                # Past the window, a client still finishes one request begun
-                # in it: a step longer than the window is counted, not lost.
+                # Past the window, a client goes on until one request of its
+                # own counts: a step longer than the window is not lost.
                 if time.perf_counter() >= window_end and mine:
                     return
                 if sent >= max_requests:
@@ -252,8 +252,7 @@ def closed_loop(
     latencies = sorted(latency for _, ok in per_client for latency, _ in ok)
     if not latencies:
         return {
-            "status": "failed: no request begun inside the measuring window "
-            "was answered",
+            "status": "failed: no request begun after the warm-up was answered",
             "errors": len(errors),
             "first_errors": errors[:3],
         }
