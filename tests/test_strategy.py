@@ -204,13 +204,21 @@ def test_media_are_inside_the_state_block(prefix_bidir, num_images):
     tokenizer = strategy.tokenizer
     vision_end = tokenizer.convert_tokens_to_ids("<|vision_end|>")
     image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    for engine_input, params in engine.reads:
+    for (engine_input, params), question in zip(engine.reads, QUESTIONS, strict=True):
         ids = engine_input["prompt_token_ids"]
         s = params.extra_kwargs["d3_state_tokens"]
         media_end = len(ids) - ids[::-1].index(vision_end)
         assert ids[:media_end].count(vision_end) == num_images
         assert ids.count(image_pad) > num_images  # placeholders were expanded
         rest = ids[media_end:]
+        # The text after the media, as its whole text tokenizes.
+        text = strategy._prompt(
+            "a photo   ",
+            build_question(*question, 255, labeled=False),
+            ["image"] * num_images,
+        )
+        text = text[text.rindex("<|vision_end|>") + len("<|vision_end|>") :]
+        assert rest == tokenizer.encode(text, add_special_tokens=False)
         prompt = tokenizer.decode(rest)
         state_end = prompt.index("State:\na photo   \n\n") + len("State:\na photo   ")
         expected = independent_state_size(
@@ -360,3 +368,103 @@ def test_question_ends_default_to_one_question():
     assert question_ends_of(None, 12, 5) == [12]
     assert question_ends_of({"d3_state_tokens": 12}, 12, 12) == []
     assert question_ends_of({"d3_question_ends": [7, 12]}, 12, 5) == [7, 12]
+
+
+class EncodeSpy:
+    """The strategy's tokenizer, recording the texts ``encode`` is given; with
+    ``merge_at_colon``, a tokenizer that tokenizes a text opening with ``:``
+    differently (as one that merges across the shared head's end would)."""
+
+    def __init__(self, tokenizer, merge_at_colon: bool = False):
+        self.tokenizer = tokenizer
+        self.merge_at_colon = merge_at_colon
+        self.texts: list[str] = []
+
+    def encode(self, text, **kwargs):
+        self.texts.append(text)
+        ids = self.tokenizer.encode(text, **kwargs)
+        return [ids[0], *ids] if self.merge_at_colon and text[:1] == ":" else ids
+
+    def __call__(self, *args, **kwargs):
+        return self.tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+HEAD_IN_THE_QUESTION = ("q4", "noul", "Odd\n\nQuestion:\nreally?", None)
+
+
+@pytest.mark.parametrize(
+    "state", [*STATES, "a state\n\nQuestion:\nwith a question in it"], ids=repr
+)
+def test_questions_are_tokenized_as_whole_prompts(make_checkpoint, state):
+    # One engine request per question: its prompt is what read tokenized (the
+    # packs are made of those, test_state_once_packs_the_questions).
+    strategy, engine = make_strategy(make_checkpoint(weights=False))
+    tokenizer = strategy.tokenizer
+    spy = strategy.tokenizer = EncodeSpy(tokenizer)
+    questions = [
+        build_question(qid, kind, text, criteria, 255, labeled=False)
+        for qid, kind, text, criteria in [*QUESTIONS, HEAD_IN_THE_QUESTION]
+    ]
+    rendered = strategy.render_state(state)
+    for request in ("a", "b"):
+        spy.texts.clear()
+        engine.reads.clear()
+        asyncio.run(
+            strategy.read(
+                questions,
+                None,
+                rendered,
+                request_id=request,
+                chat_template_kwargs=None,
+                lora_request=None,
+                priority=0,
+            )
+        )
+        # Every prompt as its whole text tokenizes.
+        whole = [
+            tokenizer.encode(
+                strategy._prompt(rendered, q, []), add_special_tokens=False
+            )
+            for q in questions
+        ]
+        assert [inputs["prompt_token_ids"] for inputs, _ in engine.reads] == whole
+        if "\n\nQuestion:" in rendered:
+            continue  # the head ends inside the state: exact, saves less
+        # ``encode`` sees the state once for all the questions of the first
+        # request, and once more for the strategy's check of its first split;
+        # the second request, with the same head, reuses its tokens.
+        with_state = sum(f"State:\n{rendered}\n\n" in text for text in spy.texts)
+        assert with_state == (2 if request == "a" else 0)
+    assert strategy.splits_heads is True
+
+
+def test_a_tokenizer_that_merges_across_the_split_gets_whole_prompts(
+    make_checkpoint, monkeypatch
+):
+    from vllm_d3.entrypoints.openai.decisions import d3_reads
+
+    warnings: list[str] = []
+    monkeypatch.setattr(
+        d3_reads.logger, "warning", lambda m, *a: warnings.append(m % a)
+    )
+    strategy, engine = make_strategy(make_checkpoint(weights=False))
+    spy = strategy.tokenizer = EncodeSpy(strategy.tokenizer, merge_at_colon=True)
+    read(strategy, "one state")
+    questions = [
+        build_question(qid, kind, text, criteria, 255, labeled=False)
+        for qid, kind, text, criteria in QUESTIONS
+    ]
+    rendered = strategy.render_state("one state")
+    whole = [
+        spy.encode(strategy._prompt(rendered, q, []), add_special_tokens=False)
+        for q in questions
+    ]
+    assert [inputs["prompt_token_ids"] for inputs, _ in engine.reads] == whole
+    assert strategy.splits_heads is False
+    assert warnings == [
+        "D3 prefix_bidir: this tokenizer merges across '\\n\\nQuestion:', so every "
+        "question's prompt is tokenized whole"
+    ]

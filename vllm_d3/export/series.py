@@ -516,7 +516,10 @@ D3StateBlockReads (the new d3_reads module), a base of D3Strategy:
   step is split, each reading the state again, and the log says so;
 - divides each question's logits by temperature_for(Q), the schedule's
   temperature for the request's question count (d3-ultra), and reports in
-  usage.input_tokens what the engine computed.
+  usage.input_tokens what the engine computed;
+- tokenizes the head the questions of a request share (system turn, media,
+  state) once, and each question's own tail, after checking the split once
+  against whole prompts (question_tokens).
 
 Checkpoints that need none of it keep read's plain encodes.""",
     changes=(
@@ -538,6 +541,26 @@ class D3Strategy(ReadStrategy):
 """,
             text="""\
 class D3Strategy(D3StateBlockReads, ReadStrategy):
+""",
+        ),
+        Edit(
+            _STRATEGIES,
+            anchor="""\
+        assert isinstance(prompt, str)
+        return prompt
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+""",
+            text="""\
+        assert isinstance(prompt, str)
+        return prompt
+
+    def _tokens(self, text: str) -> list[int]:
+        # A request's questions share their head (d3_reads.py).
+        return self.question_tokens(
+            text, partial(self.tokenizer.encode, add_special_tokens=False)
+        )
 """,
         ),
         Edit(

@@ -25,7 +25,12 @@ where ``reads_state_blocks`` holds, ``read`` hands its rendered engine inputs to
 - **per question** otherwise: one encode per question (request ids
   ``f"{request_id}-{n}"``), its params carrying ``d3_state_tokens = s``;
 - ``temperature_for(Q)``: with ``temperature_by_questions`` (d3-ultra) the
-  request's question count picks the temperature its logits are divided by.
+  request's question count picks the temperature its logits are divided by;
+- ``question_tokens``: for prefix_bidir, ``read`` tokenizes each question's
+  prompt as the head every question of the request shares (up to
+  ``SHARED_HEAD_END``), tokenized once, and the question's own tail. The
+  strategy's first split is checked against tokenizing the whole prompt; if
+  they differ it tokenizes whole prompts from then on, and the log says so.
 
 ``read_state_blocks`` returns each question's code logits and the tokens the
 engine computed for it (``usage.input_tokens``): a pack's state once, with its
@@ -33,7 +38,7 @@ first question.
 """
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +64,13 @@ if TYPE_CHECKING:
 
 # Under the "vllm" logger, so that it shares vLLM's handlers and level.
 logger = init_logger(f"vllm.{__name__}")
+
+#: Where a question prompt's text (upstream ``_prompt``: the system turn, the
+#: media, ``State:``, the state, then ``Question:``) splits into the head the
+#: request's questions share and the question's own tail, which opens with the
+#: ``:``. Between a letter and ``:`` byte-level BPE's split pattern always
+#: starts a new pre-token, and merges stay inside pre-tokens.
+SHARED_HEAD_END = "\n\nQuestion"
 
 
 def state_block_size(offsets: Sequence[tuple[int, int]], state_end: int) -> int:
@@ -124,6 +136,10 @@ class D3StateBlockReads:
         self.max_pack_tokens = min(
             self.max_model_len, vllm_config.scheduler_config.max_num_batched_tokens
         )
+        #: Whether prompts are tokenized as a shared head and a tail (None:
+        #: not checked yet), and the last head with its tokens.
+        self.splits_heads: bool | None = None if self.prefix_bidir else False
+        self.last_head: tuple[str, list[int]] = ("", [])
         #: Where the reads go (the engine client the strategy was built with).
         self.engine_client = engine_client
 
@@ -135,6 +151,30 @@ class D3StateBlockReads:
         if self.temperature_schedule is None:
             return self.temperature
         return self.temperature_schedule.temperature_for(num_questions)
+
+    def question_tokens(
+        self, text: str, encode: Callable[[str], list[int]]
+    ) -> list[int]:
+        """``encode(text)`` for a question prompt's text, its shared head
+        encoded once for consecutive prompts that share it."""
+        cut = text.find(SHARED_HEAD_END + ":")
+        if self.splits_heads is False or cut < 0:
+            return encode(text)
+        cut += len(SHARED_HEAD_END)
+        head, tail = text[:cut], text[cut:]
+        if self.last_head[0] != head:
+            self.last_head = (head, encode(head))
+        ids = self.last_head[1] + encode(tail)
+        if self.splits_heads is None:
+            self.splits_heads = ids == encode(text)
+            if not self.splits_heads:
+                logger.warning(
+                    "D3 prefix_bidir: this tokenizer merges across %r, so every "
+                    "question's prompt is tokenized whole",
+                    SHARED_HEAD_END + ":",
+                )
+                return encode(text)
+        return ids
 
     def state_tokens(
         self, question: Question, state: str, media: Any, prompt_ids: list[int]

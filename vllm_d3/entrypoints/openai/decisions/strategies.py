@@ -22,6 +22,9 @@ only what those calls reach, through the strategy's engine client
   ``read`` scaled by ``temperature / temperature_for(Q)``, so that its division
   by ``temperature`` divides them by ``temperature_for(Q)``, and its
   ``usage.input_tokens`` is set to what the engine computed.
+
+Its ``_tokens`` tokenizes a prefix_bidir question prompt's shared head once for
+the request's questions (``question_tokens``); the tokens are 0.33.0's.
 """
 
 import asyncio
@@ -150,6 +153,10 @@ class D3Strategy(upstream.D3Strategy, D3StateBlockReads):
         if self.reads_state_blocks:
             reading: Any = _ReadingEngineClient(self.engine_client, self)
             self.context = replace(context, engine_client=reading)
+
+    def _tokens(self, text: str) -> list[int]:
+        # A request's questions share their head (d3_reads.py).
+        return self.question_tokens(text, super()._tokens)
 
     def logit_scale(self, num_questions: int) -> float:
         """What turns 0.33.0's ``logit / temperature`` into ``logit / t(Q)``."""
