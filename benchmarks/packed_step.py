@@ -2,7 +2,7 @@
 question block and as one prompt per question, in process.
 
 ``python -m benchmarks.packed_step --out FILE [--layers 16]
-[--shapes 280x92x4,290x80x16] [--repeats 5] [--profile]``
+[--shapes 280x92x4,290x80x16] [--copies 1] [--repeats 5] [--profile]``
 
 Contract:
 - A weight-less d3-turbo package is written to a temporary directory and cut
@@ -16,13 +16,16 @@ Contract:
   ``packed`` (one prompt ``state || q1 || ... || qQ`` with
   ``d3_question_ends``: the state read once), ``one block`` (the same prompt as
   a single question block: the same tokens through the single-phase path) and
-  ``per question`` (Q prompts ``state || qi``, one step). Two untimed calls,
-  then the median wall-clock time of ``--repeats``.
+  ``per question`` (Q prompts ``state || qi``, one step). ``--copies N``
+  sends N such requests in each call, each with its own state and questions,
+  as N clients' requests share a step. Two untimed calls, then the median
+  wall-clock time of ``--repeats``.
 - ``--profile``: torch profiler tables (by total and self CPU time, and by
   CUDA time) of one ``packed`` and one ``one block`` call of the first shape,
   written beside ``FILE`` as ``FILE.packed.txt`` and ``FILE.one-block.txt``.
-- Writes ``FILE`` (JSON: the layers and a list of ``{"shape", "way",
-  "median_ms", "samples_ms"}``) and prints a line per shape and way. CUDA only.
+- Writes ``FILE`` (JSON: the layers, the copies and a list of ``{"shape",
+  "way", "median_ms", "samples_ms"}``) and prints a line per shape and way.
+  CUDA only.
 """
 
 from __future__ import annotations
@@ -91,11 +94,29 @@ def prompts(
     return [(state + q, {STATE_TOKENS_KEY: s}) for q in questions]
 
 
+def step_prompts(
+    way: str, shape: tuple[int, int, int], copies: int, rng: random.Random
+) -> list[tuple[list[int], dict[str, Any]]]:
+    """The prompts of one call: ``copies`` requests of ``shape`` sent ``way``,
+    each with fresh random token ids."""
+    state_tokens, question_tokens, count = shape
+    sent = []
+    for _ in range(copies):
+        state = [rng.randrange(*TOKEN_IDS) for _ in range(state_tokens)]
+        questions = [
+            [rng.randrange(*TOKEN_IDS) for _ in range(question_tokens)]
+            for _ in range(count)
+        ]
+        sent += prompts(way, state, questions)
+    return sent
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--shapes", default="280x92x4,290x80x16")
+    parser.add_argument("--copies", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
@@ -114,13 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         def call(way: str, shape: tuple[int, int, int]) -> float:
-            state_tokens, question_tokens, count = shape
-            draw = [rng.randrange(*TOKEN_IDS) for _ in range(state_tokens)]
-            questions = [
-                [rng.randrange(*TOKEN_IDS) for _ in range(question_tokens)]
-                for _ in range(count)
-            ]
-            sent = prompts(way, draw, questions)
+            sent = step_prompts(way, shape, args.copies, rng)
             started = time.perf_counter()
             llm.classify(
                 [TokensPrompt(prompt_token_ids=ids) for ids, _ in sent],
@@ -147,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                         "samples_ms": samples,
                     }
                 )
-                print(f"{args.layers} layers, {shape}: {way} {median:.1f} ms")
+                print(
+                    f"{args.layers} layers, {args.copies} x {shape}: {way} "
+                    f"{median:.1f} ms"
+                )
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -162,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 name = f"{args.out.name}.{way.replace(' ', '-')}.txt"
                 (args.out.parent / name).write_text("\n\n".join(tables))
-    args.out.write_text(json.dumps({"layers": args.layers, "results": results}))
+    args.out.write_text(
+        json.dumps({"layers": args.layers, "copies": args.copies, "results": results})
+    )
     return 0
 
 

@@ -8,6 +8,7 @@ runs against a stub ``/v1/systemone`` server standing in for ``vllm serve``.
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -654,6 +655,15 @@ def test_packed_step_sends_the_same_questions_three_ways(tmp_path):
     assert packed_step.prompts("one block", state, questions) == [
         (packed, {"d3_state_tokens": 3})
     ]
+    # Copies: one request each, with its own state and questions.
+    rng = random.Random(0)
+    copies = packed_step.step_prompts("packed", (3, 2, 4), 3, rng)
+    assert [(len(ids), extra["d3_question_ends"]) for ids, extra in copies] == [
+        (11, [5, 7, 9, 11])
+    ] * 3
+    assert len({tuple(ids) for ids, _ in copies}) == 3
+    per_question = packed_step.step_prompts("per question", (3, 2, 4), 3, rng)
+    assert [len(ids) for ids, _ in per_question] == [5] * 12
     package = packed_step.write_package(tmp_path, 8)
     text = json.loads((package / "config.json").read_text())["text_config"]
     assert text["num_hidden_layers"] == 8
