@@ -166,14 +166,15 @@ class D3StateBlockReads:
             self.last_head = (head, encode(head))
         ids = self.last_head[1] + encode(tail)
         if self.splits_heads is None:
-            self.splits_heads = ids == encode(text)
+            whole = encode(text)
+            self.splits_heads = ids == whole
             if not self.splits_heads:
                 logger.warning(
                     "D3 prefix_bidir: this tokenizer merges across %r, so every "
                     "question's prompt is tokenized whole",
                     SHARED_HEAD_END + ":",
                 )
-                return encode(text)
+                return whole
         return ids
 
     def state_tokens(
@@ -187,7 +188,7 @@ class D3StateBlockReads:
         if placeholders:
             text = text[text.rindex(self.VISION_END) + len(self.VISION_END) :]
         head = "State:\n"
-        start = text.find(f"{head}{state}\n\nQuestion:\n")
+        start = text.find(f"{head}{state}{SHARED_HEAD_END}:\n")
         if start < 0:
             raise StructuredDecisionError(
                 "the chat template did not render the D3 state block as expected"
