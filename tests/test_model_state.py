@@ -13,28 +13,17 @@ import numpy as np
 import pytest
 import torch
 from vllm.config import set_current_vllm_config
-from vllm.config.compilation import CUDAGraphMode
 from vllm.forward_context import get_forward_context, set_forward_context
-from vllm.model_executor.layers.attention.attention import Attention
-from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     QwenGatedDeltaNetAttention,
 )
 from vllm.model_executor.models import d3 as upstream_d3
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.pooling_params import PoolingParams
-from vllm.v1.core.sched.output import NewRequestData
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-)
 from vllm.v1.pool.metadata import PoolingMetadata, PoolingStates
 from vllm.v1.worker.gpu import warmup as gpu_warmup
 from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
-from vllm.v1.worker.utils import AttentionGroup
 
 from vllm_d3.model_executor.layers.mamba.gdn import (
     packed_questions,
@@ -52,7 +41,9 @@ from vllm_d3.testing.model_runner import (
     attention_metadata,
     build_model,
     cpu_model_state,
-    prefill_batch,
+    hybrid_groups,
+    hybrid_metadata,
+    new_request,
     vllm_config_for,
 )
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
@@ -94,20 +85,6 @@ def test_model_state_resolution(make_checkpoint, mode, expected):
     assert resolved is resolve_model_state_cls(reference_config, reference)
     if expected is not None:
         assert resolved is expected
-
-
-def new_request(req_id: str, prompt_len: int, extra) -> NewRequestData:
-    return NewRequestData(
-        req_id=req_id,
-        prompt_token_ids=list(range(prompt_len)),
-        prefill_token_ids=list(range(prompt_len)),
-        mm_features=[],
-        sampling_params=None,
-        pooling_params=PoolingParams(task="classify", extra_kwargs=extra),
-        block_ids=([0],),
-        num_computed_tokens=0,
-        lora_request=None,
-    )
 
 
 @pytest.fixture
@@ -190,69 +167,6 @@ def test_ranges_become_dense_pieces_for_flash_attention(state):
         masks[req_id][first:last, :keys] = True
     for req_id, (n, s) in requests.items():
         assert torch.equal(masks[req_id], prefix_bidir_mask(s, n))
-
-
-def hybrid_groups(config):
-    """The model's full-attention layers in one KV-cache group (the D3
-    composite), its Gated DeltaNet layers in another (vLLM's GDN backend, the
-    spec its layers declare)."""
-    layers = config.compilation_config.static_forward_context
-    attention = [n for n, m in layers.items() if isinstance(m, Attention)]
-    gdn = [n for n, m in layers.items() if isinstance(m, MambaBase)]
-    assert attention and gdn
-    attention_spec = FullAttentionSpec(
-        block_size=80, num_kv_heads=1, head_size=256, dtype=torch.float16
-    )
-    gdn_spec = layers[gdn[0]].get_kv_cache_spec(config)
-    assert isinstance(gdn_spec, MambaSpec)
-    groups = [
-        AttentionGroup(
-            backend=D3PrefixBidirAttentionBackend,
-            layer_names=attention,
-            kv_cache_spec=attention_spec,
-            kv_cache_group_id=0,
-        ),
-        AttentionGroup(
-            backend=layers[gdn[0]].get_attn_backend(),
-            layer_names=gdn,
-            kv_cache_spec=gdn_spec,
-            kv_cache_group_id=1,
-        ),
-    ]
-    for group in groups:
-        group.create_metadata_builders(config, CPU)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=64,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(attention, attention_spec),
-            KVCacheGroupSpec(gdn, gdn_spec),
-        ],
-    )
-    return attention, gdn, groups, kv_cache_config
-
-
-def hybrid_metadata(state, order, prompt_lens, slots, for_capture=False):
-    """prepare_attn over one prefill batch on the hybrid groups; row r's GDN
-    state slot is ``slots[r]``."""
-    model_state, config = state
-    attention, gdn, groups, kv_cache_config = hybrid_groups(config)
-    batch = prefill_batch(order, prompt_lens)
-    batch.is_prefilling_np[:] = True
-    with set_current_vllm_config(config):
-        metadata = model_state.prepare_attn(
-            batch,
-            CUDAGraphMode.NONE,
-            (
-                torch.arange(16 * len(order), dtype=torch.int32).reshape(-1, 16),
-                torch.tensor([[slot] for slot in slots], dtype=torch.int32),
-            ),
-            torch.zeros(2, batch.num_tokens, dtype=torch.int64),
-            [[groups[0]], [groups[1]]],
-            kv_cache_config,
-            for_capture=for_capture,
-        )
-    return metadata[attention[0]], metadata[gdn[0]], gdn
 
 
 @pytest.mark.parametrize("for_capture", [False, True])
@@ -369,8 +283,8 @@ def test_a_packed_row_becomes_state_once_pieces_and_gdn_phases(state):
     assert scan.phase_a.non_spec_query_start_loc.tolist() == [0, 10, 15]
     assert scan.phase_a.non_spec_state_indices_tensor.tolist() == [3, 5]
     assert scan.phase_a.has_initial_state.tolist() == [False, False]
-    # Phase B, one scan: each question from a copy of p's slot (scratch slots
-    # 1, 2, 3; slot 0 copies the null block).
+    # Phase B, one scan: each question from p's slot (scratch slots 1, 2, 3;
+    # slot 0 stands for the null block).
     (questions,) = scan.question_scans
     assert questions.tokens == slice(15, 30)
     assert questions.scratch_sources.tolist() == [0, 5, 5, 5]
@@ -404,8 +318,9 @@ def test_phase_b_scans_a_bounded_number_of_questions_at_a_time(state, monkeypatc
 
 class ScanLayer:
     """A Gated DeltaNet stand-in whose ``_forward_core`` reads the step's GDN
-    metadata and state the way 0.33.0's does, with a scalar recurrence
-    ``h = h / 2 + x`` per sequence (from the slot's state when it has one)."""
+    metadata and state the way 0.33.0's prefill path does, with a scalar
+    recurrence ``h = h / 2 + x`` per sequence (from the slot's state when it
+    has one). ``tests/test_gdn_kernels.py`` runs 0.33.0's own layer."""
 
     def __init__(self, prefix: str, slots: int, restart: bool) -> None:
         self.prefix = prefix
@@ -419,16 +334,19 @@ class ScanLayer:
         ):
             return
         metadata = get_forward_context().attn_metadata[self.prefix]
-        starts = metadata.non_spec_query_start_loc.tolist()
-        slots = metadata.non_spec_state_indices_tensor.tolist()
-        restart = metadata.has_initial_state.tolist()
+        starts = metadata.prefill_query_start_loc.tolist()
         ssm = self.kv_cache[1]
-        for row, slot in enumerate(slots):
-            h = ssm[slot].clone() if restart[row] else torch.zeros(1)
+        # The initial states and the final ones, read and written as 0.33.0's
+        # prefill path does (qwen_gdn_linear_attn.py:1816-1817, :1872).
+        initial = ssm[metadata.prefill_state_indices]
+        initial[~metadata.prefill_has_initial_state, ...] = 0
+        final = []
+        for row, h in enumerate(initial):
             for token in range(starts[row], starts[row + 1]):
                 h = h / 2 + mixed_qkv[token]
                 core_attn_out[token] = h
-            ssm[slot] = h
+            final.append(h)
+        ssm[metadata.prefill_state_indices] = torch.stack(final).to(ssm.dtype)
 
 
 def scan_alone(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,14 @@ attention metadata builders.
 - ``attention_metadata(state_and_config, req_ids, prompt_lens, backend)``: the
   state's ``prepare_attn`` over such a step, through vLLM's
   ``build_attn_metadata`` into ``backend``'s real builder for one of the
-  model's full-attention layers; returns that layer's metadata.
+  model's full-attention layers; returns that layer's metadata;
+- ``new_request(req_id, prompt_len, extra)``: the scheduler's record of a new
+  classify request whose pooling parameters carry ``extra``;
+- ``hybrid_groups(config)`` and ``hybrid_metadata(state_and_config, order,
+  prompt_lens, slots)``: the model's two KV-cache groups (full attention on the
+  D3 composite, Gated DeltaNet on vLLM's GDN backend) and the state's
+  ``prepare_attn`` over a step on them; returns a full-attention layer's
+  metadata, a GDN layer's, and the GDN layer names.
 """
 
 import socket
@@ -35,17 +42,25 @@ from vllm.distributed import (
 )
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.attention.attention import Attention
+from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.models.registry import ModelRegistry
+from vllm.pooling_params import PoolingParams
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
 )
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.mm.rope import RopeState
 from vllm.v1.worker.gpu.model_states import default as default_model_state
 from vllm.v1.worker.utils import AttentionGroup
+
+from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
+    D3PrefixBidirAttentionBackend,
+)
 
 CPU = torch.device("cpu")
 
@@ -192,3 +207,80 @@ def attention_metadata(
             kv_cache_config,
         )
     return metadata[layer]
+
+
+def new_request(req_id: str, prompt_len: int, extra) -> NewRequestData:
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=list(range(prompt_len)),
+        prefill_token_ids=list(range(prompt_len)),
+        mm_features=[],
+        sampling_params=None,
+        pooling_params=PoolingParams(task="classify", extra_kwargs=extra),
+        block_ids=([0],),
+        num_computed_tokens=0,
+        lora_request=None,
+    )
+
+
+def hybrid_groups(config):
+    """The model's full-attention layers in one KV-cache group (the D3
+    composite), its Gated DeltaNet layers in another (vLLM's GDN backend, the
+    spec its layers declare)."""
+    layers = config.compilation_config.static_forward_context
+    attention = [n for n, m in layers.items() if isinstance(m, Attention)]
+    gdn = [n for n, m in layers.items() if isinstance(m, MambaBase)]
+    assert attention and gdn
+    attention_spec = FullAttentionSpec(
+        block_size=80, num_kv_heads=1, head_size=256, dtype=torch.float16
+    )
+    gdn_spec = layers[gdn[0]].get_kv_cache_spec(config)
+    assert isinstance(gdn_spec, MambaSpec)
+    groups = [
+        AttentionGroup(
+            backend=D3PrefixBidirAttentionBackend,
+            layer_names=attention,
+            kv_cache_spec=attention_spec,
+            kv_cache_group_id=0,
+        ),
+        AttentionGroup(
+            backend=layers[gdn[0]].get_attn_backend(),
+            layer_names=gdn,
+            kv_cache_spec=gdn_spec,
+            kv_cache_group_id=1,
+        ),
+    ]
+    for group in groups:
+        group.create_metadata_builders(config, CPU)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(attention, attention_spec),
+            KVCacheGroupSpec(gdn, gdn_spec),
+        ],
+    )
+    return attention, gdn, groups, kv_cache_config
+
+
+def hybrid_metadata(state, order, prompt_lens, slots, for_capture=False):
+    """prepare_attn over one prefill batch on the hybrid groups; row r's GDN
+    state slot is ``slots[r]``."""
+    model_state, config = state
+    attention, gdn, groups, kv_cache_config = hybrid_groups(config)
+    batch = prefill_batch(order, prompt_lens)
+    batch.is_prefilling_np[:] = True
+    with set_current_vllm_config(config):
+        metadata = model_state.prepare_attn(
+            batch,
+            CUDAGraphMode.NONE,
+            (
+                torch.arange(16 * len(order), dtype=torch.int32).reshape(-1, 16),
+                torch.tensor([[slot] for slot in slots], dtype=torch.int32),
+            ),
+            torch.zeros(2, batch.num_tokens, dtype=torch.int64),
+            [[groups[0]], [groups[1]]],
+            kv_cache_config,
+            for_capture=for_capture,
+        )
+    return metadata[attention[0]], metadata[gdn[0]], gdn

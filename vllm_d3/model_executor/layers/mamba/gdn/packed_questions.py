@@ -15,23 +15,35 @@ metadata builders, the two phases of a step that holds packed rows:
   whole, each packed row's state), as 0.33.0 would scan them; each packed row's
   slot then holds its state at ``s``;
 - phase B: each question block as its own sequence, with an initial state
-  (``seq_len = s + q_i``), reading state slot ``1 + i`` of a scratch copy (slot
-  0 is vLLM's null block, which the kernels skip). The questions are scanned
-  ``QUESTIONS_PER_SCAN`` at a time, so that a step's state copies stay bounded
-  however many questions it holds.
+  (``seq_len = s + q_i``), in scratch state slot ``1 + i``, which stands for its
+  row's slot (slot 0 is vLLM's null block, which the kernels skip). The
+  questions are scanned ``QUESTIONS_PER_SCAN`` at a time, so that a step's
+  state copies stay bounded however many questions it holds.
 
 ``forward_packed_questions(layer, forward_core, ...)`` is what
 ``QwenGatedDeltaNetAttention._forward_core`` runs first (in-tree, the method's
 first lines; with the plugin, ``restart_questions_from_state`` in
 ``qwen_gdn_linear_attn.py``): when the step's metadata for the layer is a
 ``PackedGDNAttentionMetadata``, it runs ``forward_core`` for phase A on the
-cache, then once per scan of phase B on scratch copies of the packed rows' slots
-(one per question), bound as the layer's ``kv_cache`` for that call, and
-returns True.
+cache, then once per scan of phase B with, as the layer's ``kv_cache`` for that
+call, scratch copies of the packed rows' convolution states (one per question)
+and ``RowStates`` over the recurrent cache, and returns True.
 Otherwise it returns False and the method goes on unchanged. Phase B continues
 from an initial state the way chunked prefill does, which every GDN prefill
 backend implements; the config hook still selects the Triton/FLA backend, the
 one this path was validated on.
+
+``RowStates`` relies on how 0.33.0's ``_forward_core`` uses ``kv_cache[1]`` in
+a step of prefills alone (``qwen_gdn_linear_attn.py:1614``, ``:1816-1817``,
+``:1872``): it gathers the initial states as ``states[indices]`` and stores the
+final ones as ``states[indices] = final.to(states.dtype)``, and nothing else
+(its other uses, ``:1768``, ``:1795``, ``:1867``, ``:1890``, are the paths of
+decodes, speculative decodes and prefix-caching checkpoints, none of which a
+phase-B scan takes).
+A question's final state is read by nobody (a packed request is done after its
+step, and prefix_bidir refuses prefix caching), so ``RowStates`` drops it: the
+recurrent state is neither copied to scratch nor written back, and the rows'
+slots keep the states phase A left for every scan.
 """
 
 from collections.abc import Callable, Sequence
@@ -69,9 +81,9 @@ class PackedRow:
 #: A phase's batch tokens: a slice where they are consecutive, else their indices.
 PhaseTokens = slice | torch.Tensor
 
-#: Question blocks per phase-B scan. Each question costs three copies of a state
-#: slot in the scan (the scratch copy, the core's gather of its initial state and
-#: its final state; 3.2 MB each at d3-turbo's float32 48 x 128 x 128), none of
+#: Question blocks per phase-B scan. Each question costs two copies of a
+#: recurrent state slot in the scan (the core's gather of its initial state and
+#: its final state; 3.1 MB each at d3-turbo's float32 48 x 128 x 128), none of
 #: which vLLM's memory profile sees: its profiling run skips the GDN core. A step
 #: of 64 packed requests can hold thousands of questions.
 QUESTIONS_PER_SCAN = 64
@@ -113,8 +125,25 @@ class BuiltQuestionScan:
     tokens: PhaseTokens
     metadata: GDNAttentionMetadata
     scratch_sources: torch.Tensor
-    """(1 + questions,) the group's state slot each scratch slot copies: the
-    null block, then each block's row."""
+    """(1 + questions,) the group's state slot each scratch slot stands for:
+    the null block, then each block's row."""
+
+
+class RowStates:
+    """A phase-B scan's recurrent states as 0.33.0's prefill path uses them
+    (module docstring): ``states[indices]`` is each scratch slot's row's state
+    in the cache; ``states[indices] = final`` drops ``final``."""
+
+    def __init__(self, cache: torch.Tensor, scratch_sources: torch.Tensor) -> None:
+        self.cache = cache
+        self.scratch_sources = scratch_sources
+        self.dtype = cache.dtype
+
+    def __getitem__(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.cache.index_select(0, self.scratch_sources[indices])
+
+    def __setitem__(self, indices: torch.Tensor, final: torch.Tensor) -> None:
+        pass
 
 
 @dataclass
@@ -221,7 +250,7 @@ def packed_gdn_metadata(
     once, by the first group's builder; phase A is then re-gathered for each
     group's state slots, as vLLM does for its own groups
     (``update_block_table``); phase B's scans read scratch slots, the same for
-    every group, each a copy of a slot of the group's own."""
+    every group, each standing for a slot of the group's own."""
     num_reqs = phases.phase_a.num_reqs
     _, first_builder, first_table = groups[0]
     phase_a = first_builder.build(
@@ -287,12 +316,17 @@ def forward_packed_questions(
         core_attn_out.index_copy_(0, tokens, out)
 
     cache = layer.kv_cache
+    conv_states, recurrent_states = cache
     try:
         scan(metadata.phase_a, metadata.state_tokens)
         for question_scan in metadata.question_scans:
-            # Each question from its own copy of its row's state after s tokens.
-            layer.kv_cache = tuple(
-                state.index_select(0, question_scan.scratch_sources) for state in cache
+            # Each question from its row's state after s tokens: its own copy of
+            # the convolution state, which the kernel updates in place, and the
+            # recurrent state as the core gathers it.
+            sources = question_scan.scratch_sources
+            layer.kv_cache = (
+                conv_states.index_select(0, sources),
+                RowStates(recurrent_states, sources),
             )
             scan(question_scan.metadata, question_scan.tokens)
     finally:

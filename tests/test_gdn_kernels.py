@@ -1,0 +1,171 @@
+"""Packed questions through vLLM's real Gated DeltaNet layer and kernels, on the CPU.
+
+One process of its own (``vllm_d3.testing.gdn_kernels``) runs a layer of the tiny
+checkpoint's model through 0.33.0's ``_forward_core``, whose Triton kernels run
+in Triton's interpreter, over each case below. The oracle is 0.33.0's own path
+with no packed row: each question in its own prompt ``state || q``, as the
+per-question server sends it.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_d3.testing.gdn_kernels import CACHE_SLOTS, ENVIRONMENT
+
+# The plugin's wrapper of the layer is what runs; in-tree the series edits the
+# method itself, and the process of its own does not load the tree.
+pytestmark = pytest.mark.plugin
+
+PACKED_P = {"d3_state_tokens": 5, "d3_question_ends": [9, 12, 20]}
+PACKED_R = {"d3_state_tokens": 6, "d3_question_ends": [10, 14]}
+#: Two packed requests of different states and question counts beside a plain
+#: one, in one step: (request, prompt length, extra, state slot).
+STEP = [
+    ("a", 10, {"d3_state_tokens": 4}, 3),
+    ("p", 20, PACKED_P, 5),
+    ("r", 14, PACKED_R, 7),
+]
+
+
+def own_prompts(step, first_slot: int):
+    """The step with each packed request's questions in their own prompts,
+    ``state || q``, as rows of a step with no packed row; and, per row, the
+    packed step's token indices of its tokens."""
+    rows, tokens, start = [], [], 0
+    for req_id, n, extra, _ in step:
+        s = extra["d3_state_tokens"]
+        ends = extra.get("d3_question_ends", [n])
+        for i, (q_start, q_end) in enumerate(zip([s, *ends[:-1]], ends, strict=True)):
+            own = [*range(start, start + s), *range(start + q_start, start + q_end)]
+            slot = first_slot + len(rows)
+            rows.append((f"{req_id}{i}", len(own), {"d3_state_tokens": s}, slot))
+            tokens.append(own)
+        start += n
+    return rows, tokens
+
+
+def draw_inputs(num_tokens: int, generator: torch.Generator):
+    # The tiny checkpoint's layer: 2 key and 4 value heads of 64, so a
+    # convolution over 2 x 128 + 256 channels.
+    mixed_qkv = torch.randn(num_tokens, 512, generator=generator)
+    b = torch.randn(num_tokens, 4, generator=generator)
+    a = torch.randn(num_tokens, 4, generator=generator)
+    return tuple(x.half() for x in (mixed_qkv, b, a))
+
+
+@pytest.fixture(scope="module")
+def runs(make_checkpoint, tmp_path_factory):
+    """Every case in one process: the packed step three ways, one causal scan
+    over it (the negative control), each row's own prompts, and what the step
+    reads of each row before its questions."""
+    checkpoint = make_checkpoint(weights=False)
+    generator = torch.Generator().manual_seed(0)
+    inputs = draw_inputs(sum(n for _, n, _, _ in STEP), generator)
+    alone = [STEP[1]]
+    alone_inputs = tuple(x[10:30] for x in inputs)
+    rows, tokens = own_prompts(STEP, first_slot=8)
+    own = torch.tensor([t for row in tokens for t in row])
+    # What the step reads of each row before its questions (a's whole prompt,
+    # p's and r's states) as prompts of their own, in the rows' slots.
+    read = {"a": range(0, 10), "p": range(10, 15), "r": range(30, 36)}
+    read_alone = [
+        (r, len(read[r]), {"d3_state_tokens": len(read[r])}, slot)
+        for r, _, _, slot in STEP
+    ]
+    read_tokens = torch.tensor([t for tokens in read.values() for t in tokens])
+    cases = {
+        "gathered": (STEP, inputs, True, 64),
+        "views": (alone, alone_inputs, True, 64),
+        "two-per-scan": (STEP, inputs, True, 2),
+        "one-scan": (STEP, inputs, False, 64),
+        "own-prompts": (rows, tuple(x[own] for x in inputs), True, 64),
+        "read-alone": (read_alone, tuple(x[read_tokens] for x in inputs), True, 64),
+    }
+    folder = tmp_path_factory.mktemp("gdn-kernels")
+    torch.save(
+        [
+            {
+                "step": step,
+                "inputs": case_inputs,
+                "restart": restart,
+                "questions_per_scan": per_scan,
+            }
+            for step, case_inputs, restart, per_scan in cases.values()
+        ],
+        folder / "cases.pt",
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_d3.testing.gdn_kernels",
+            checkpoint,
+            str(folder / "cases.pt"),
+            str(folder / "out.pt"),
+        ],
+        env={**os.environ, **ENVIRONMENT},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = dict(zip(cases, torch.load(folder / "out.pt"), strict=True))
+    return results, tokens
+
+
+def own_outputs(runs):
+    """Each packed-step token's output in its own prompt, in the packed step's
+    order (a state token once, from its request's first prompt)."""
+    results, tokens = runs
+    out = results["own-prompts"]["out"]
+    by_token: dict[int, torch.Tensor] = {}
+    start = 0
+    for row in tokens:
+        for offset, token in enumerate(row):
+            by_token.setdefault(token, out[start + offset])
+        start += len(row)
+    return torch.stack([by_token[t] for t in sorted(by_token)])
+
+
+def max_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.float() - expected.float()).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("case", ["gathered", "two-per-scan", "views"])
+def test_packed_questions_equal_their_own_prompts_on_vllms_kernels(runs, case):
+    expected = own_outputs(runs)
+    if case == "views":
+        expected = expected[10:30]
+    out = runs[0][case]["out"]
+    assert not out.isnan().any()
+    # float16 rounding, in the interpreter as on a GPU.
+    assert max_error(out, expected) < 2e-3
+
+
+def test_one_causal_scan_over_the_packed_step_is_clearly_wrong(runs):
+    expected = own_outputs(runs)
+    out = runs[0]["one-scan"]["out"]
+    # a's prompt and p's state and first question come before anything of p's
+    # other questions: the same; p's second question runs on from its first.
+    assert max_error(out[:19], expected[:19]) < 2e-3
+    assert max_error(out[19:22], expected[19:22]) > 0.1
+
+
+@pytest.mark.parametrize("case", ["gathered", "two-per-scan"])
+def test_the_packed_step_writes_only_its_rows_state_slots(runs, case):
+    result = runs[0][case]
+    rows = [slot for *_, slot in STEP]
+    others = [slot for slot in range(CACHE_SLOTS) if slot not in rows]
+    for cache in ("conv", "ssm"):
+        before, after = result[f"{cache}_before"], result[f"{cache}_after"]
+        assert torch.equal(after[others], before[others])
+    # Each row's slot holds its state after a plain row's prompt, after a
+    # packed row's state: its questions write nothing back.
+    read_alone = runs[0]["read-alone"]
+    for cache in ("conv", "ssm"):
+        after, expected = result[f"{cache}_after"], read_alone[f"{cache}_after"]
+        assert max_error(after[rows], expected[rows]) < 2e-3
