@@ -15,20 +15,11 @@ import pytest
 import torch
 
 from vllm_d3.testing.gdn_kernels import CACHE_SLOTS, ENVIRONMENT
+from vllm_d3.testing.model_runner import STEP
 
 # The plugin's wrapper of the layer is what runs; in-tree the series edits the
 # method itself, and the process of its own does not load the tree.
 pytestmark = pytest.mark.plugin
-
-PACKED_P = {"d3_state_tokens": 5, "d3_question_ends": [9, 12, 20]}
-PACKED_R = {"d3_state_tokens": 6, "d3_question_ends": [10, 14]}
-#: Two packed requests of different states and question counts beside a plain
-#: one, in one step: (request, prompt length, extra, state slot).
-STEP = [
-    ("a", 10, {"d3_state_tokens": 4}, 3),
-    ("p", 20, PACKED_P, 5),
-    ("r", 14, PACKED_R, 7),
-]
 
 
 def own_prompts(step, first_slot: int):
@@ -65,18 +56,20 @@ def runs(make_checkpoint, tmp_path_factory):
     checkpoint = make_checkpoint(weights=False)
     generator = torch.Generator().manual_seed(0)
     inputs = draw_inputs(sum(n for _, n, _, _ in STEP), generator)
+    # p alone: its tokens in the step are 10-29.
     alone = [STEP[1]]
     alone_inputs = tuple(x[10:30] for x in inputs)
     rows, tokens = own_prompts(STEP, first_slot=8)
     own = torch.tensor([t for row in tokens for t in row])
-    # What the step reads of each row before its questions (a's whole prompt,
-    # p's and r's states) as prompts of their own, in the rows' slots.
-    read = {"a": range(0, 10), "p": range(10, 15), "r": range(30, 36)}
-    read_alone = [
-        (r, len(read[r]), {"d3_state_tokens": len(read[r])}, slot)
-        for r, _, _, slot in STEP
-    ]
-    read_tokens = torch.tensor([t for tokens in read.values() for t in tokens])
+    # What the step reads of each row before its questions (a plain row's whole
+    # prompt, a packed row's state) as prompts of their own, in the rows' slots.
+    read_alone, read, start = [], [], 0
+    for req_id, n, extra, slot in STEP:
+        length = n if "d3_question_ends" not in extra else extra["d3_state_tokens"]
+        read_alone.append((req_id, length, {"d3_state_tokens": length}, slot))
+        read.extend(range(start, start + length))
+        start += n
+    read_tokens = torch.tensor(read)
     cases = {
         "gathered": (STEP, inputs, True, 64),
         "views": (alone, alone_inputs, True, 64),
@@ -160,12 +153,11 @@ def test_the_packed_step_writes_only_its_rows_state_slots(runs, case):
     result = runs[0][case]
     rows = [slot for *_, slot in STEP]
     others = [slot for slot in range(CACHE_SLOTS) if slot not in rows]
+    read_alone = runs[0]["read-alone"]
     for cache in ("conv", "ssm"):
         before, after = result[f"{cache}_before"], result[f"{cache}_after"]
         assert torch.equal(after[others], before[others])
-    # Each row's slot holds its state after a plain row's prompt, after a
-    # packed row's state: its questions write nothing back.
-    read_alone = runs[0]["read-alone"]
-    for cache in ("conv", "ssm"):
-        after, expected = result[f"{cache}_after"], read_alone[f"{cache}_after"]
+        # Each row's slot holds its state after a plain row's prompt, after a
+        # packed row's state: its questions write nothing back.
+        expected = read_alone[f"{cache}_after"]
         assert max_error(after[rows], expected[rows]) < 2e-3

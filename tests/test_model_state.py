@@ -38,6 +38,8 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
 from vllm_d3.model_executor.models.d3 import D3ForSequenceClassification
 from vllm_d3.testing.model_runner import (
     CPU,
+    PACKED,
+    STEP,
     attention_metadata,
     build_model,
     cpu_model_state,
@@ -249,9 +251,6 @@ def test_bad_state_tokens_never_run_as_one_block(state, extra):
 
 # A packed request: the state [0, 5), then question blocks [5, 9), [9, 12),
 # [12, 20); and a plain one (n = 10, s = 4).
-PACKED = {"d3_state_tokens": 5, "d3_question_ends": [9, 12, 20]}
-
-
 def test_packed_questions_get_their_own_prompts_positions(state):
     model_state, _ = state
     model_state.add_request(2, new_request("p", 20, PACKED))
@@ -355,15 +354,6 @@ def scan_alone(x: torch.Tensor) -> torch.Tensor:
         h = h / 2 + value
         out.append(h)
     return torch.stack(out)
-
-
-#: Two packed requests of different states and question counts beside a plain
-#: one, in one step: (request, prompt length, extra, state slot).
-STEP = [
-    ("a", 10, {"d3_state_tokens": 4}, 3),
-    ("p", 20, PACKED, 5),
-    ("r", 14, {"d3_state_tokens": 6, "d3_question_ends": [10, 14]}, 7),
-]
 
 
 #: One packed request alone: both phases' tokens are consecutive (views).

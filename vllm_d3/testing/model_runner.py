@@ -17,7 +17,9 @@ attention metadata builders.
   ``build_attn_metadata`` into ``backend``'s real builder for one of the
   model's full-attention layers; returns that layer's metadata;
 - ``new_request(req_id, prompt_len, extra)``: the scheduler's record of a new
-  classify request whose pooling parameters carry ``extra``;
+  classify request whose pooling parameters carry ``extra``; ``PACKED`` is a
+  packed request's ``extra`` and ``STEP`` a step of packed and plain rows, which
+  the packed-phase tests share;
 - ``hybrid_groups(config)`` and ``hybrid_metadata(state_and_config, order,
   prompt_lens, slots)``: the model's two KV-cache groups (full attention on the
   D3 composite, Gated DeltaNet on vLLM's GDN backend) and the state's
@@ -207,6 +209,17 @@ def attention_metadata(
             kv_cache_config,
         )
     return metadata[layer]
+
+
+#: A packed request's ``extra``: a 5-token state, then three questions.
+PACKED = {"d3_state_tokens": 5, "d3_question_ends": [9, 12, 20]}
+#: Two packed requests of different states and question counts beside a plain
+#: one, in one step: (request, prompt length, extra, state slot).
+STEP = [
+    ("a", 10, {"d3_state_tokens": 4}, 3),
+    ("p", 20, PACKED, 5),
+    ("r", 14, {"d3_state_tokens": 6, "d3_question_ends": [10, 14]}, 7),
+]
 
 
 def new_request(req_id: str, prompt_len: int, extra) -> NewRequestData:
