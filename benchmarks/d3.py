@@ -19,13 +19,17 @@ Contract:
   '{"d3_state_once": false}'``, one engine request per question (servers
   ``default-per-question`` and ``long-per-question``). Each of these starts
   right after its state-once twin (``server_groups``), so a time budget cuts
-  the long rows of both sides rather than one whole side.
+  the long rows of both sides rather than one whole side. ``vllm_portable``
+  (asked for by name) is the ``vllm`` servers with ``--additional-config
+  '{"d3_attention_kernel": "torch_flash"}'`` (``rows.PORTABLE_KERNEL``, the
+  kernel ROCm gets), servers ``default-portable`` and ``long-portable``.
 - Each latency row and load has an entry per side (``rows.SIDES``) and the
   ratios of their p50s (of their requests per second for a load), ``None``
   where a side was not measured: ``ratio`` (vllm / reference),
   ``ratio_per_question`` (vllm_per_question / reference) and
   ``speedup_state_once`` (above 1 where vllm is the faster: vllm_per_question
-  p50 / vllm p50, or vllm req/s / vllm_per_question req/s).
+  p50 / vllm p50, or vllm req/s / vllm_per_question req/s), and
+  ``portable_over_default`` (vllm_portable / vllm, p50s or req/s).
 - ``--smoke``: a tiny package, one request per row and no warm-up (the
   start-up request warms up), long states scaled by ``SMOKE_STATE_SCALE``, 5 s
   throughput loads. Without CUDA the reference runs in float32 on the CPU and
@@ -65,7 +69,10 @@ from typing import Any
 
 import torch
 
-from vllm_d3.model_executor.models.d3_contract import STATE_ONCE_KEY
+from vllm_d3.model_executor.models.d3_contract import (
+    ATTENTION_KERNEL_KEY,
+    STATE_ONCE_KEY,
+)
 from vllm_d3.testing.requests import words_per_token
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 
@@ -77,8 +84,10 @@ from .reference_side import (
     token_accounting,
 )
 from .rows import (
+    DEFAULT_SIDES,
     MIXES,
     POOL_OFFSET,
+    PORTABLE_KERNEL,
     ROWS_BY_ID,
     SIDES,
     STARTUP_ROW,
@@ -96,13 +105,17 @@ NOT_RUN_NO_CUDA = "not run (no CUDA)"
 #: Each vLLM side: the suffix of its servers' names and its extra serve flags.
 VLLM_SIDES = {
     "vllm": ("", []),
+    "vllm_portable": (
+        "-portable",
+        ["--additional-config", json.dumps({ATTENTION_KERNEL_KEY: PORTABLE_KERNEL})],
+    ),
     "vllm_per_question": (
         "-per-question",
         ["--additional-config", json.dumps({STATE_ONCE_KEY: False})],
     ),
 }
 #: The token count each vLLM side's ``usage.input_tokens`` should report.
-USAGE_TOKENS = {"vllm": "tokens_vllm", "vllm_per_question": "tokens_vllm_per_question"}
+USAGE_TOKENS = {side: f"tokens_{side}" for side in VLLM_SIDES}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -118,10 +131,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rows", help="comma-separated fnmatch patterns of row ids (default: all)"
     )
+    default_sides = ",".join(DEFAULT_SIDES)
     parser.add_argument(
         "--sides",
-        default=",".join(SIDES),
-        help=f"comma-separated: {', '.join(SIDES)} (default: all)",
+        default=",".join(DEFAULT_SIDES),
+        help=f"comma-separated: {', '.join(SIDES)} (default: {default_sides})",
     )
     parser.add_argument("--repeats", type=int, help="timed requests per row (3)")
     parser.add_argument(
@@ -403,6 +417,9 @@ def _latency_entry(
         "speedup_state_once": _quotient(
             sides["vllm_per_question"], sides["vllm"], "p50_s"
         ),
+        "portable_over_default": _quotient(
+            sides["vllm_portable"], sides["vllm"], "p50_s"
+        ),
     }
 
 
@@ -423,6 +440,9 @@ def _throughput_entry(
         ),
         "speedup_state_once": _quotient(
             sides["vllm"], sides["vllm_per_question"], "requests_per_s"
+        ),
+        "portable_over_default": _quotient(
+            sides["vllm_portable"], sides["vllm"], "requests_per_s"
         ),
     }
 

@@ -122,9 +122,11 @@ def token_accounting(rendered: list[RenderedQuestion]) -> dict[str, Any]:
         "state_tokens": s,
         "prompt_lengths": lengths,
         "tokens_vllm": once,
+        "tokens_vllm_portable": once,
         "tokens_vllm_per_question": sum(lengths),
         "tokens_reference": once,
         "state_reads_vllm": 1,
+        "state_reads_vllm_portable": 1,
         "state_reads_vllm_per_question": len(lengths),
         "state_reads_reference": 1,
     }

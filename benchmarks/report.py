@@ -3,7 +3,8 @@
 Contract:
 - ``markdown(results)`` renders the results dictionary written by
   ``benchmarks.d3`` as markdown: latency rows with the p50 of each side
-  (``rows.SIDES``: vLLM state once, vLLM per question, the reference), the
+  (``rows.SIDES``: vLLM state once, on the portable kernel, per question, the
+  reference), the
   ratios of the p50s, the tokens each side computes per request and how many
   times it reads the state; where a vLLM side has them, each row's HTTP
   latency against the engine's time per request (``vllm_side.engine_time``);
@@ -27,11 +28,12 @@ from .rows import SIDES
 #: How the tables and the plot name each side.
 LABELS = {
     "vllm": "vLLM state once",
+    "vllm_portable": "vLLM state once, portable kernel",
     "vllm_per_question": "vLLM per question",
     "reference": "reference",
 }
 #: What a cell holding one value per side, "a / b / c", lists.
-PER_SIDE = "state once / per question / reference"
+PER_SIDE = "state once / portable / per question / reference"
 
 
 def _ok(side: dict[str, Any] | None) -> bool:
@@ -73,7 +75,12 @@ def _header(columns: list[str]) -> list[str]:
 
 
 def _ratio_cells(entry: dict[str, Any]) -> str:
-    keys = ("ratio", "ratio_per_question", "speedup_state_once")
+    keys = (
+        "ratio",
+        "ratio_per_question",
+        "speedup_state_once",
+        "portable_over_default",
+    )
     return " | ".join(_ratio(entry[key]) for key in keys)
 
 
@@ -96,6 +103,7 @@ def _latency_table(rows: list[dict[str, Any]]) -> list[str]:
             "state once / reference",
             "per question / reference",
             "per question / state once",
+            "portable / state once",
             f"tokens computed: {PER_SIDE}",
             f"state reads: {PER_SIDE}",
         ]
@@ -170,6 +178,7 @@ def _throughput_table(loads: list[dict[str, Any]]) -> list[str]:
             "state once / reference (req/s)",
             "per question / reference",
             "state once / per question",
+            "portable / state once",
         ]
     )
     for load in loads:
@@ -190,8 +199,9 @@ def _throughput_table(loads: list[dict[str, Any]]) -> list[str]:
 
 def _startup_table(results: dict[str, Any]) -> list[str]:
     lines = [
-        "| | start-up to first answer (s) | peak GPU memory (GiB) | max_model_len |",
-        "|---|---|---|---|",
+        "| | start-up to first answer (s) | peak GPU memory (GiB) | max_model_len "
+        "| full attention |",
+        "|---|---|---|---|---|",
     ]
     for name, group in results["vllm_servers"].items():
         startup, memory = group.get("startup", {}), group.get("memory", {})
@@ -199,7 +209,8 @@ def _startup_table(results: dict[str, Any]) -> list[str]:
         peak = _gib(memory["peak_memory_gib"]) if _ok(memory) else memory.get("status")
         lines.append(
             f"| vLLM, {name} server (`{shlex.join(group['command'][3:])}`) | {first} "
-            f"| {peak} | {startup.get('max_model_len', '')} |"
+            f"| {peak} | {startup.get('max_model_len', '')} "
+            f"| {startup.get('attention_kernel') or ''} |"
         )
     reference = results["reference"]
     if reference.get("startup"):
@@ -207,10 +218,10 @@ def _startup_table(results: dict[str, Any]) -> list[str]:
         lines.append(
             f"| reference ({startup['weights']}, {results['settings']['reference']}) "
             f"| {startup['first_answer_s']:.1f} "
-            f"| {_gib(reference.get('peak_memory_gib')) or 'n/a (CPU)'} | |"
+            f"| {_gib(reference.get('peak_memory_gib')) or 'n/a (CPU)'} | | |"
         )
     else:
-        lines.append(f"| reference | {_status(reference)} | | |")
+        lines.append(f"| reference | {_status(reference)} | | | |")
     return lines
 
 
@@ -312,7 +323,7 @@ def plot(results: dict[str, Any], path: Path) -> str:
         return "skipped: matplotlib is not installed"
     rows = [r for r in results["latency"] if not r["media"]]
     series = {}
-    for side, marker in zip(SIDES, ("o", "^", "s"), strict=True):
+    for side, marker in zip(SIDES, ("o", "D", "^", "s"), strict=True):
         points = sorted(
             (r["state_tokens"], r[side]["p50_s"], r["id"]) for r in rows if _ok(r[side])
         )

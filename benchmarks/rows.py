@@ -2,8 +2,10 @@
 
 Contract:
 - ``SIDES``: what is timed, by its key in the results: ``vllm`` (the plugin's
-  default, each request's state read once), ``vllm_per_question`` (one engine
-  request per question, the state read again for each) and ``reference``.
+  default, each request's state read once), ``vllm_portable`` (the same with
+  the dense pieces on ``PORTABLE_KERNEL``, the kernel ROCm gets),
+  ``vllm_per_question`` (one engine request per question, the state read again
+  for each) and ``reference``; ``DEFAULT_SIDES`` leaves out ``vllm_portable``.
 - ``LATENCY_ROWS``: one ``Row`` per latency row (id, label, question count, and
   the state: words of text, a target length in tokens for the long rows,
   photos or a video). ``THROUGHPUT_ROWS``: one ``Load`` per closed-loop run
@@ -32,6 +34,7 @@ from vllm_d3.testing.requests import (
     questions,
     text_state,
 )
+from vllm_d3.v1.attention.backends.d3_dense_kernels import DEFAULT_KERNELS
 
 #: Words of the short text states (one paragraph), and beside media.
 SHORT_STATE_WORDS = 60
@@ -40,7 +43,11 @@ PHOTO_SIZE = (1024, 768)
 PHOTOS_SIZE = (640, 480)
 VIDEO_SECONDS = 11.0
 
-SIDES = ("vllm", "vllm_per_question", "reference")
+SIDES = ("vllm", "vllm_portable", "vllm_per_question", "reference")
+DEFAULT_SIDES = ("vllm", "vllm_per_question", "reference")
+#: The dense-piece kernel of the ``vllm_portable`` side: ROCm's first choice,
+#: which also runs on CUDA.
+PORTABLE_KERNEL = DEFAULT_KERNELS["ROCm"][0]
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,17 @@ def closed_loop(
     }
 
 
+def attention_kernel(server_log: str) -> str | None:
+    """The full-attention path a server's log names: the dense pieces' kernel,
+    ``ranged`` (vLLM's own selection), or None for a checkpoint that is not
+    prefix_bidir."""
+    if match := re.search(r"dense state and question pieces on (\w+)", server_log):
+        return match.group(1)
+    if "full-attention layers on vLLM's own selection" in server_log:
+        return "ranged"
+    return None
+
+
 def run_group(
     checkpoint: str,
     name: str,
@@ -315,6 +326,7 @@ def run_group(
                 "status": "ok",
                 "first_answer_s": time.perf_counter() - started,
                 "max_model_len": _served_max_model_len(server.url),
+                "attention_kernel": attention_kernel(log_file.read_text()),
             }
         except Exception as error:
             failure = f"failed: server start-up: {type(error).__name__}: {error}"

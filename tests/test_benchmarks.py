@@ -76,9 +76,10 @@ def test_smoke_writes_the_markdown_table_and_plot(smoke):
     text = (out / "results.md").read_text()
     assert (
         "| row | questions | state tokens | vLLM state once p50 (ms) "
+        "| vLLM state once, portable kernel p50 (ms) "
         "| vLLM per question p50 (ms) | reference p50 (ms) "
         "| state once / reference | per question / reference "
-        "| per question / state once |"
+        "| per question / state once | portable / state once |"
     ) in text
     assert "| vLLM per question req/s | vLLM per question questions/s |" in text
     for row in LATENCY_ROWS:
@@ -203,9 +204,11 @@ def test_token_accounting_counts_each_side():
         "state_tokens": 10,
         "prompt_lengths": [15, 12, 20],
         "tokens_vllm": 10 + 5 + 2 + 10,
+        "tokens_vllm_portable": 10 + 5 + 2 + 10,
         "tokens_vllm_per_question": 15 + 12 + 20,
         "tokens_reference": 10 + 5 + 2 + 10,
         "state_reads_vllm": 1,
+        "state_reads_vllm_portable": 1,
         "state_reads_vllm_per_question": 3,
         "state_reads_reference": 1,
     }
@@ -234,6 +237,7 @@ def test_usage_is_judged_against_each_vllm_sides_own_count():
                     "p50_s": 3.0,
                     "input_tokens": [per_question_usage],
                 },
+                "vllm_portable": {"status": "not run (--sides)"},
                 "reference": {"status": "ok", "p50_s": 2.0},
             },
         )
@@ -566,7 +570,7 @@ def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
             # The stub's usage (100 tokens a question) is neither side's count.
             assert row[side]["usage_matches_render"] is False
         assert len(row["reference"]["warmup_s"]) == 1
-        p50 = {side: row[side]["p50_s"] for side in d3.SIDES}
+        p50 = {side: row[side]["p50_s"] for side in d3.DEFAULT_SIDES}
         assert row["ratio"] == pytest.approx(p50["vllm"] / p50["reference"])
         assert row["ratio_per_question"] == pytest.approx(
             p50["vllm_per_question"] / p50["reference"]
@@ -591,15 +595,19 @@ def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
     line = next(line for line in lines if line.startswith(f"| {four['label']} |"))
     cells = [cell.strip() for cell in line.split("|")[1:-1]]
     assert len(cells) == header.count("|") - 1
-    # The p50 of state once, per question and the reference, then the ratios.
-    assert cells[3:6] == [report._ms(four[side]["p50_s"]) for side in d3.SIDES]
+    # The p50 of state once, the portable side (not run), per question and the
+    # reference, then the ratios (the portable one not measured).
+    p50s = [report._ms(four[side]["p50_s"]) for side in d3.DEFAULT_SIDES]
+    assert cells[3:7] == [p50s[0], "not run (--sides)", *p50s[1:]]
     ratios = ("ratio", "ratio_per_question", "speedup_state_once")
-    assert cells[6:9] == [f"{four[key]:.3g}" for key in ratios]
-    # Tokens and state reads of state once / per question / the reference.
+    assert cells[7:11] == [*(f"{four[key]:.3g}" for key in ratios), ""]
+    # Tokens and state reads of state once / portable / per question / the
+    # reference.
     assert (
         f"| {four['tokens_vllm']:,} (usage.input_tokens [400]) "
+        f"/ {four['tokens_vllm_portable']:,} "
         f"/ {four['tokens_vllm_per_question']:,} (usage.input_tokens [400]) "
-        f"/ {four['tokens_reference']:,} | 1 / 4 / 1 |"
+        f"/ {four['tokens_reference']:,} | 1 / 1 / 4 / 1 |"
     ) in text
     assert "default server (`--gdn-prefill-backend triton --load-format" in text
     # HTTP against engine time, with the front end's share where one HTTP

@@ -1,10 +1,11 @@
-"""The dense-piece attention path on the CPU: pieces, routing, selection.
+"""The dense-piece attention path on the CPU: pieces, routing, kernel choice.
 
-``dense_pieces`` and ``dense_piece_metadata`` run on vLLM's real
+``dense_pieces`` and the dense metadata run on vLLM's real
 ``CommonAttentionMetadata``; the pieces are checked against the prefix_bidir
 mask written from its definition. The config hook runs through vLLM's own
-``EngineArgs.create_engine_config``; only the platform probe is replaced where a
-test needs a Hopper GPU.
+``EngineArgs.create_engine_config``; where a test needs a GPU, the platform is
+faked at vLLM's interface (a ``Platform`` of the family's enum and compute
+capability, vLLM's FlashAttention extensions and Triton present).
 """
 
 import os
@@ -12,23 +13,25 @@ import pickle
 import random
 import subprocess
 import sys
+import types
 
-import numpy as np
 import pytest
 import torch
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
 from vllm.plugins import load_general_plugins
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
-from vllm_d3.v1.attention.backends import d3_prefix_bidir
+from vllm_d3.testing.model_runner import dense_pieces_mask
+from vllm_d3.v1.attention.backends import d3_dense_kernels, d3_prefix_bidir
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
-    D3DenseFlashAttentionBackend,
+    D3DensePiecesBackend,
+    D3DensePiecesMetadata,
     D3PrefixBidirAttentionBackend,
     DensePieceRouting,
-    dense_piece_metadata,
     dense_pieces,
 )
 
@@ -62,42 +65,33 @@ def batch(rows: list[Row], ranges=None, query_lens=None) -> CommonAttentionMetad
         num_actual_tokens=int(starts[-1]),
         max_query_len=max(query_lens),
         max_seq_len=int(seq_lens.max()),
-        # Row i's blocks are 10 i, 10 i + 1, ...
-        block_table_tensor=10 * torch.arange(len(rows), dtype=torch.int32)[:, None]
-        + torch.arange(4, dtype=torch.int32),
+        block_table_tensor=torch.zeros((len(rows), 4), dtype=torch.int32),
         slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64),
         mm_req_doc_ranges=ranges,
     )
 
 
-def allowed(s: int, n: int, c: int) -> torch.Tensor:
-    """prefix_bidir for the queries [c, n): a state query sees the state, a
-    question query sees every token."""
-    queries = torch.arange(c, n)[:, None]
+def step_mask(metadata: CommonAttentionMetadata) -> torch.Tensor:
+    """The (query, key) pairs the dense pieces of ``metadata`` attend."""
+    pieces = dense_pieces(metadata)
+    assert pieces is not None
+    device_metadata = D3DensePiecesMetadata.of(
+        pieces, metadata.num_actual_tokens, torch.device("cpu")
+    )
+    return dense_pieces_mask(device_metadata)
+
+
+def expected_step_mask(rows: list[Row], row_masks: list[torch.Tensor]) -> torch.Tensor:
+    """Each row's mask on the diagonal: no row reads another's keys."""
+    return torch.block_diag(*row_masks) if rows else torch.zeros(0, 0)
+
+
+def allowed(s: int, n: int) -> torch.Tensor:
+    """prefix_bidir: a state query sees the state, a question query sees every
+    token."""
+    queries = torch.arange(n)[:, None]
     keys = torch.arange(n)[None, :]
     return (queries >= s) | (keys < s)
-
-
-def mask_from_metadata(metadata: CommonAttentionMetadata, rows: list[Row]):
-    """What the rewritten metadata lets each row's queries see: every query of
-    a sequence sees keys [0, seq_len) of the block-table row it names."""
-    masks = [torch.zeros(n - c, n, dtype=torch.bool) for _, n, c in rows]
-    row_starts = [0]
-    for _, n, c in rows:
-        row_starts.append(row_starts[-1] + n - c)
-    cu = metadata.query_start_loc_cpu.tolist()
-    assert torch.equal(metadata.query_start_loc, metadata.query_start_loc_cpu)
-    assert torch.equal(metadata.seq_lens, metadata.seq_lens_cpu_upper_bound)
-    assert cu[0] == 0 and cu[-1] == row_starts[-1]
-    for piece in range(metadata.num_reqs):
-        row = int(metadata.block_table_tensor[piece, 0]) // 10
-        assert metadata.block_table_tensor[piece].tolist() == [
-            10 * row + b for b in range(4)
-        ]
-        first, last = cu[piece] - row_starts[row], cu[piece + 1] - row_starts[row]
-        assert 0 <= first < last <= rows[row][1] - rows[row][2]
-        masks[row][first:last, : int(metadata.seq_lens[piece])] = True
-    return masks
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -106,42 +100,42 @@ def test_pieces_give_exactly_the_prefix_bidir_mask(seed):
     rows = []
     for _ in range(rng.randint(1, 6)):
         n = rng.randint(1, 60)
-        s = rng.randint(1, n)  # s == n: a prompt that is all state
-        c = rng.choice([0, 0, rng.randint(0, n - 1)])
-        rows.append((s, n, c))
-    metadata = batch(rows)
-    pieces = dense_pieces(metadata)
+        rows.append((rng.randint(1, n), n, 0))  # s == n: a prompt all state
+    got = step_mask(batch(rows))
+    expected = expected_step_mask(rows, [allowed(s, n) for s, n, _ in rows])
+    assert torch.equal(got, expected)
+
+
+def test_two_passes_per_step():
+    pieces = dense_pieces(batch([(4, 10, 0), (7, 7, 0), (3, 5, 0)]))
     assert pieces is not None
-    rewritten = dense_piece_metadata(metadata, pieces)
-    assert rewritten.causal is False
-    assert rewritten.mm_req_doc_ranges is None
-    assert rewritten.num_actual_tokens == metadata.num_actual_tokens
-    assert rewritten.max_query_len == max(np.diff(pieces.query_start_loc))
-    for got, (s, n, c) in zip(mask_from_metadata(rewritten, rows), rows, strict=True):
-        assert torch.equal(got, allowed(s, n, c))
+    # Every range over itself: [0, 4) [4, 10) | [10, 17) | [17, 20) [20, 22).
+    assert pieces.own_cu_seqlens.tolist() == [0, 4, 10, 17, 20, 22]
+    # Each row's question rows over its state, then its question keys skipped.
+    assert pieces.question_tokens.tolist() == [4, 5, 6, 7, 8, 9, 20, 21]
+    assert pieces.state_cu_seqlens_q.tolist() == [0, 6, 6, 6, 6, 8, 8]
+    assert pieces.state_cu_seqlens_k.tolist() == [0, 4, 10, 17, 17, 20, 22]
 
 
-def test_two_pieces_per_fresh_prompt():
-    pieces = dense_pieces(batch([(4, 10, 0), (7, 7, 0), (3, 5, 4)]))
+def test_the_query_bound_is_never_one():
+    # Rows of one question token: the state pass's sequences have one query or
+    # none, and a bound of 1 would make PyTorch's flash attention regroup the heads as
+    # for one query in every sequence.
+    pieces = dense_pieces(batch([(4, 5, 0), (9, 10, 0)]))
     assert pieces is not None
-    assert pieces.rows.tolist() == [0, 0, 1, 2]
-    assert pieces.query_start_loc.tolist() == [0, 4, 10, 17, 18]
-    assert pieces.seq_lens.tolist() == [4, 10, 7, 5]
-
-
-def test_single_queries_without_ranges_join_the_pieces():
-    # A one-token row needs no range: its causal keys are all its keys.
-    rows = [(4, 10, 0), (1, 9, 8)]
-    pieces = dense_pieces(batch(rows, ranges={0: [(0, 3), (4, 9)]}))
-    assert pieces is not None
-    assert pieces.seq_lens.tolist() == [4, 10, 9]
+    metadata = D3DensePiecesMetadata.of(pieces, 15, torch.device("cpu"))
+    assert metadata.state_keys.cu_seqlens_q.tolist() == [0, 1, 1, 2, 2]
+    assert metadata.state_keys.max_seqlen_q == 2
+    assert metadata.own_keys.max_seqlen_q == 9
 
 
 @pytest.mark.parametrize(
     ("rows", "ranges", "query_lens", "why"),
     [
         ([(4, 10, 0)], None, [6], "a prompt split across steps"),
+        ([(4, 10, 4)], None, None, "keys computed in an earlier step"),
         ([(4, 10, 0), (1, 8, 0)], {0: [(0, 3), (4, 9)]}, None, "a causal row"),
+        ([(4, 10, 0), (1, 9, 8)], {0: [(0, 3), (4, 9)]}, None, "one causal query"),
         ([(4, 10, 0)], {0: [(0, 3), (5, 9)]}, None, "a gap between ranges"),
         ([(4, 10, 0)], {0: [(1, 3), (4, 9)]}, None, "ranges from 1"),
         ([(4, 10, 0)], {0: [(0, 3), (4, 12)]}, None, "ranges past the end"),
@@ -155,8 +149,8 @@ def test_batches_that_are_not_dense_pieces(rows, ranges, query_lens, why):
 
 def test_routing():
     routing = DensePieceRouting([], VllmConfig())
-    assert routing.select(batch([(4, 10, 0), (2, 3, 1)])) == 1
-    # No ranges (profiling, dummy rows): plain causal FlashAttention.
+    assert routing.select(batch([(4, 10, 0), (2, 3, 0)])) == 1
+    # No ranges (profiling, dummy rows): plain causal Triton in the dense child.
     assert routing.select(batch([(4, 10, 0)], ranges={})) == 1
 
 
@@ -166,13 +160,11 @@ def test_backend_registration():
     # The layer looks its backend up in AttentionBackendEnum by this name.
     assert D3PrefixBidirAttentionBackend.get_name() == MEMBER.name
     assert D3PrefixBidirAttentionBackend.general_backend_cls is TritonAttentionBackend
-    assert D3PrefixBidirAttentionBackend.causal_backend_cls is (
-        D3DenseFlashAttentionBackend
-    )
-    # Whole 80-token key tiles per page: d3-turbo's 783-token Mamba page
-    # rounds up to 800, not to 784.
-    assert D3PrefixBidirAttentionBackend.supports_block_size(800)
-    assert not D3PrefixBidirAttentionBackend.supports_block_size(784)
+    assert D3PrefixBidirAttentionBackend.causal_backend_cls is D3DensePiecesBackend
+    # Both children share vLLM's Triton cache layout and block sizes: the
+    # dense pieces read the step's own keys, not the pages.
+    assert issubclass(D3DensePiecesBackend, TritonAttentionBackend)
+    assert D3PrefixBidirAttentionBackend.supports_block_size(784)
 
 
 def test_the_selection_survives_a_spawned_process():
@@ -191,7 +183,11 @@ def test_the_selection_survives_a_spawned_process():
 
 
 def test_platform_probe_on_the_cpu():
-    assert d3_prefix_bidir.dense_attention_unavailable() == "not a CUDA GPU"
+    assert d3_dense_kernels.platform_kernels() == (
+        None,
+        [],
+        "not a CUDA or ROCm GPU",
+    )
 
 
 def engine_config(path, **kwargs):
@@ -209,10 +205,60 @@ def hook_log(monkeypatch):
     return lines
 
 
+#: (platform enum, compute capability) of each family the kernels know.
+FAMILIES = {
+    "Hopper": (PlatformEnum.CUDA, DeviceCapability(9, 0)),
+    "Blackwell": (PlatformEnum.CUDA, DeviceCapability(10, 0)),
+    "Ampere/Ada": (PlatformEnum.CUDA, DeviceCapability(8, 9)),
+    "ROCm": (PlatformEnum.ROCM, DeviceCapability(9, 4)),
+    "another CUDA GPU": (PlatformEnum.CUDA, DeviceCapability(7, 5)),
+}
+
+
+def fake_gpu(monkeypatch, family: str) -> None:
+    """The kernels see a GPU of ``family`` through vLLM's ``Platform``, with
+    vLLM's FlashAttention extensions and Triton present."""
+    enum, capability = FAMILIES[family]
+
+    class FakePlatform(Platform):
+        _enum = enum
+
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+            return capability
+
+    monkeypatch.setattr(d3_dense_kernels, "current_platform", FakePlatform())
+    interface = types.SimpleNamespace(FA2_AVAILABLE=True, FA3_AVAILABLE=True)
+    package = types.SimpleNamespace(flash_attn_interface=interface)
+    package_name = "vllm.vllm_flash_attn"
+    monkeypatch.setitem(sys.modules, package_name, package)
+    monkeypatch.setitem(sys.modules, f"{package_name}.flash_attn_interface", interface)
+    monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", True)
+
+
 @pytest.fixture
 def hopper(monkeypatch):
-    """The platform probe as on a Hopper GPU with FlashAttention 3."""
-    monkeypatch.setattr(d3_prefix_bidir, "dense_attention_unavailable", lambda: None)
+    """A Hopper GPU with vLLM's FlashAttention 3, where the kernels were
+    validated (no start-up check)."""
+    fake_gpu(monkeypatch, "Hopper")
+    monkeypatch.setattr(
+        d3_dense_kernels, "check_kernels", lambda names: pytest.fail("checked")
+    )
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """The start-up checks asked for; each passes unless a test says otherwise."""
+    asked: list[list[str]] = []
+    failing: set[str] = set()
+
+    def check(names):
+        asked.append(list(names))
+        passing = [n for n in names if n not in failing]
+        return (passing[0] if passing else None), [f"{n}: wrong" for n in failing]
+
+    monkeypatch.setattr(d3_dense_kernels, "check_kernels", check)
+    return types.SimpleNamespace(asked=asked, failing=failing)
 
 
 def test_hook_selects_dense_pieces_where_they_run(make_checkpoint, hopper, hook_log):
@@ -226,6 +272,7 @@ def test_hook_selects_dense_pieces_where_they_run(make_checkpoint, hopper, hook_
 def test_state_once_where_dense_pieces_run(make_checkpoint, hopper, hook_log):
     config = engine_config(make_checkpoint(weights=False))
     assert config.additional_config == {
+        "d3_attention_kernel": "fa3",
         "d3_state_once": True,
         "gdn_prefill_backend": "triton",
     }
@@ -256,10 +303,11 @@ def test_a_quantized_kv_cache_reads_one_question_per_request(
     make_checkpoint, hopper, hook_log
 ):
     config = engine_config(make_checkpoint(weights=False), kv_cache_dtype="fp8")
+    assert config.attention_config.backend_per_kind == {}
+    assert config.additional_config["d3_attention_kernel"] == "ranged"
     assert config.additional_config["d3_state_once"] is False
-    assert "one engine request per question (reading the state once needs a " in (
-        "\n".join(hook_log)
-    )
+    log = "\n".join(hook_log)
+    assert "not D3_PREFIX_BIDIR: the dense pieces read a bf16/fp16 KV cache" in log
 
 
 def test_a_bad_state_once_switch_stops_start_up(make_checkpoint, hopper):
@@ -272,7 +320,7 @@ def test_a_bad_state_once_switch_stops_start_up(make_checkpoint, hopper):
 def test_hook_keeps_vllm_selection_without_a_hopper_gpu(make_checkpoint, hook_log):
     config = engine_config(make_checkpoint(weights=False))
     assert config.attention_config.backend_per_kind == {}
-    assert "not D3_PREFIX_BIDIR: not a CUDA GPU" in "\n".join(hook_log)
+    assert "not D3_PREFIX_BIDIR: not a CUDA or ROCm GPU" in "\n".join(hook_log)
     # No dense pieces, no packed questions: one engine request per question.
     assert config.additional_config["d3_state_once"] is False
 
@@ -391,7 +439,7 @@ def packed_allowed(s: int, ends: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(10))
 def test_packed_rows_give_exactly_the_state_once_mask(seed):
     rng = random.Random(seed)
-    rows, ranges, packed = [], {}, {}
+    rows, ranges, masks = [], {}, []
     for row in range(rng.randint(1, 5)):
         s = rng.randint(1, 40)
         ends = [s]
@@ -402,21 +450,8 @@ def test_packed_rows_give_exactly_the_state_once_mask(seed):
         ranges[row] = [(0, s - 1)] + [
             (a, b - 1) for a, b in zip([s, *ends[:-1]], ends, strict=True)
         ]
-        packed[row] = ends
-    metadata = batch(rows, ranges)
-    pieces = dense_pieces(metadata)
-    assert pieces is not None
-    masks = mask_from_metadata(dense_piece_metadata(metadata, pieces), rows)
-    # Each own-key piece adds its block's keys to its block's queries.
-    row_starts = np.cumsum([0] + [n for _, n, _ in rows])
-    for first, end in pieces.questions.tolist():
-        row = int(np.searchsorted(row_starts, first, side="right")) - 1
-        a, b = first - row_starts[row], end - row_starts[row]
-        masks[row][a:b, a:b] = True
-    for row, (s, _, _) in enumerate(rows):
-        assert torch.equal(masks[row], packed_allowed(s, packed[row]))
-    # Only rows with two or more questions have own-key pieces.
-    assert len(pieces.questions) == sum(len(e) for e in packed.values() if len(e) > 1)
+        masks.append(packed_allowed(s, ends))
+    assert torch.equal(step_mask(batch(rows, ranges)), expected_step_mask(rows, masks))
 
 
 def test_a_packed_row_split_across_steps_is_refused():
@@ -424,3 +459,115 @@ def test_a_packed_row_split_across_steps_is_refused():
     assert dense_pieces(metadata) is None
     with pytest.raises(d3_prefix_bidir.PackedRowError):
         DensePieceRouting([], VllmConfig()).select(metadata)
+
+
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [
+        ("Blackwell", ["fa2", "triton"]),
+        ("Ampere/Ada", ["fa2", "triton"]),
+        ("ROCm", ["torch_flash", "triton"]),
+        ("another CUDA GPU", ["triton"]),
+    ],
+)
+def test_each_gpu_family_gets_its_kernels_checked(
+    make_checkpoint, monkeypatch, checks, hook_log, family, expected
+):
+    fake_gpu(monkeypatch, family)
+    config = engine_config(make_checkpoint(weights=False))
+    assert checks.asked == [expected]
+    assert config.additional_config["d3_attention_kernel"] == expected[0]
+    assert config.attention_config.backend_per_kind == {"full_attention": MEMBER}
+    assert config.additional_config["d3_state_once"] is True
+    assert f"passed its start-up check on this {family} GPU" in "\n".join(hook_log)
+
+
+def test_a_kernel_that_fails_its_check_gives_way_to_the_next(
+    make_checkpoint, monkeypatch, checks
+):
+    fake_gpu(monkeypatch, "ROCm")
+    checks.failing.add("torch_flash")
+    config = engine_config(make_checkpoint(weights=False))
+    assert config.additional_config["d3_attention_kernel"] == "triton"
+
+
+def test_no_kernel_passing_its_check_serves_the_ranged_path(
+    make_checkpoint, monkeypatch, checks, hook_log
+):
+    fake_gpu(monkeypatch, "Blackwell")
+    checks.failing.update({"fa2", "triton"})
+    config = engine_config(make_checkpoint(weights=False))
+    assert config.attention_config.backend_per_kind == {}
+    assert config.additional_config["d3_attention_kernel"] == "ranged"
+    assert config.additional_config["d3_state_once"] is False
+    assert (
+        "not D3_PREFIX_BIDIR: no dense-piece kernel of ['fa2', 'triton'] passed its "
+        "start-up check on this Blackwell GPU"
+    ) in "\n".join(hook_log)
+
+
+@pytest.mark.parametrize("kernel", ["fa3", "fa2", "torch_flash", "triton"])
+def test_the_switch_forces_a_kernel(make_checkpoint, hopper, hook_log, kernel):
+    config = engine_config(
+        make_checkpoint(weights=False),
+        additional_config={"d3_attention_kernel": kernel},
+    )
+    assert config.additional_config["d3_attention_kernel"] == kernel
+    assert config.attention_config.backend_per_kind == {"full_attention": MEMBER}
+    assert f"pieces on {kernel} (d3_attention_kernel chose it" in "\n".join(hook_log)
+
+
+def test_the_switch_forces_the_ranged_path(make_checkpoint, hopper, hook_log):
+    config = engine_config(
+        make_checkpoint(weights=False),
+        additional_config={"d3_attention_kernel": "ranged"},
+    )
+    assert config.attention_config.backend_per_kind == {}
+    assert config.additional_config["d3_state_once"] is False
+    assert "not D3_PREFIX_BIDIR: d3_attention_kernel is ranged" in "\n".join(hook_log)
+
+
+@pytest.mark.parametrize(
+    ("family", "additional", "match"),
+    [
+        ("Hopper", {"d3_attention_kernel": "fa4"}, "must be one of auto, fa3, fa2, "),
+        ("Ampere/Ada", {"d3_attention_kernel": "fa3"}, "runs on Hopper"),
+        ("another CUDA GPU", {"d3_attention_kernel": "torch_flash"}, "needs compute"),
+    ],
+)
+def test_an_unknown_or_unavailable_kernel_stops_start_up(
+    make_checkpoint, monkeypatch, checks, family, additional, match
+):
+    fake_gpu(monkeypatch, family)
+    with pytest.raises(ValueError, match=match):
+        engine_config(make_checkpoint(weights=False), additional_config=additional)
+
+
+def test_a_forced_kernel_that_fails_its_check_stops_start_up(
+    make_checkpoint, monkeypatch, checks
+):
+    fake_gpu(monkeypatch, "ROCm")
+    checks.failing.add("triton")
+    with pytest.raises(ValueError, match="'triton' cannot serve .* start-up check"):
+        engine_config(
+            make_checkpoint(weights=False),
+            additional_config={"d3_attention_kernel": "triton"},
+        )
+
+
+def test_a_forced_kernel_beside_a_chosen_backend_stops_start_up(
+    make_checkpoint, hopper
+):
+    with pytest.raises(ValueError, match="TRITON_FLASH_ATTN was chosen"):
+        engine_config(
+            make_checkpoint(weights=False),
+            attention_backend="TRITON_FLASH_ATTN",
+            additional_config={"d3_attention_kernel": "triton"},
+        )
+
+
+def test_the_start_up_check_fails_without_a_gpu():
+    # The check's own process: on this machine there is no GPU to run on.
+    passed, failures = d3_dense_kernels.check_kernels(["triton"])
+    assert passed is None
+    assert len(failures) == 1 and failures[0].startswith("triton: ")

@@ -43,12 +43,14 @@ from vllm_d3.testing.model_runner import (
     attention_metadata,
     build_model,
     cpu_model_state,
+    dense_pieces_mask,
     hybrid_groups,
     hybrid_metadata,
     new_request,
     vllm_config_for,
 )
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
+    D3DensePiecesMetadata,
     D3PrefixBidirAttentionBackend,
 )
 from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import (
@@ -133,7 +135,7 @@ def test_ranges_reach_the_triton_builder(state):
         assert torch.equal(dense_mask(ranges, n), prefix_bidir_mask(s, n))
 
 
-def test_ranges_become_dense_pieces_for_flash_attention(state):
+def test_ranges_become_dense_pieces(state):
     model_state, _ = state
     requests = {"a": (10, 4), "b": (7, 7), "c": (5, 1), "d": (40, 20)}
     for index, (req_id, (n, s)) in enumerate(requests.items()):
@@ -142,33 +144,14 @@ def test_ranges_become_dense_pieces_for_flash_attention(state):
     metadata = attention_metadata(
         state, order, [requests[r][0] for r in order], D3PrefixBidirAttentionBackend
     )
-    assert metadata._attention_backend_variant == 1  # the FlashAttention child
-    assert metadata.causal is False
-    assert metadata.mm_prefix_query_range_tensor is None
-    cu_seqlens = metadata.query_start_loc.tolist()
-    seqused_k = metadata.seq_lens.tolist()
-    table = metadata.block_table.tolist()
-    assert len(cu_seqlens) == len(seqused_k) + 1 == len(table) + 1
-    # Rebuild each prompt's mask from the virtual sequences: every query of a
-    # sequence sees keys [0, seqused_k) of the row its block-table row names.
-    starts = [0]
-    for req_id in order:
-        starts.append(starts[-1] + requests[req_id][0])
-    masks = {
-        r: torch.zeros(requests[r][0], requests[r][0], dtype=torch.bool) for r in order
-    }
-    for piece, keys in enumerate(seqused_k):
-        row = table[piece][0] // 100
-        assert table[piece] == [100 * row + b for b in range(16)]
-        req_id = order[row]
-        first, last = (
-            cu_seqlens[piece] - starts[row],
-            cu_seqlens[piece + 1] - starts[row],
-        )
-        assert 0 <= first < last <= requests[req_id][0]
-        masks[req_id][first:last, :keys] = True
-    for req_id, (n, s) in requests.items():
-        assert torch.equal(masks[req_id], prefix_bidir_mask(s, n))
+    assert metadata._attention_backend_variant == 1  # the dense child
+    assert isinstance(metadata, D3DensePiecesMetadata)
+    # The pairs the two passes attend, rebuilt: each prompt's own mask on the
+    # diagonal, in batch order.
+    expected = torch.block_diag(
+        *(prefix_bidir_mask(requests[r][1], requests[r][0]) for r in order)
+    )
+    assert torch.equal(dense_pieces_mask(metadata), expected)
 
 
 @pytest.mark.parametrize("for_capture", [False, True])
@@ -190,11 +173,11 @@ def test_hybrid_cache_dense_attention_beside_a_causal_gdn(state, for_capture):
         assert full.causal is True
         assert full.query_start_loc.tolist() == [0, 7, 17]
     else:
-        # b (s = n = 7) is one piece; a (s = 4, n = 10) is two.
-        assert full.causal is False
-        assert full.query_start_loc.tolist() == [0, 7, 11, 17]
-        assert full.seq_lens.tolist() == [7, 4, 10]
-        assert [row[0] for row in full.block_table.tolist()] == [0, 16, 16]
+        # b (s = n = 7) is one range over itself, a (s = 4, n = 10) two; a's
+        # question rows (batch tokens 11-17) also read its state [7, 11).
+        assert full.own_keys.cu_seqlens_q.tolist() == [0, 7, 11, 17]
+        assert full.question_tokens.tolist() == list(range(11, 17))
+        assert full.state_keys.cu_seqlens_k.tolist() == [0, 7, 7, 11, 17]
     # The Gated DeltaNet scans each request's own tokens, causally, from its
     # own state slot: the ranges never reach it.
     assert scan.num_prefills == 2 and scan.num_decodes == 0
@@ -270,12 +253,12 @@ def test_a_packed_row_becomes_state_once_pieces_and_gdn_phases(state):
     model_state.add_request(0, new_request("p", 20, PACKED))
     model_state.add_request(1, new_request("a", 10, {"d3_state_tokens": 4}))
     full, scan, _ = hybrid_metadata(state, ["a", "p"], [10, 20], [3, 5])
-    # Attention: a's two pieces; p's state, its questions over the state, and
-    # each question block over its own keys (batch tokens 15-19, 19-22, 22-30).
-    assert full.query_start_loc.tolist() == [0, 4, 10, 15, 30]
-    assert full.seq_lens.tolist() == [4, 10, 5, 5]
-    assert full.questions.token_index.tolist() == list(range(15, 30))
-    assert full.questions.cu_seqlens.tolist() == [0, 4, 7, 15]
+    # Attention: every range over itself (p's question blocks are batch tokens
+    # 15-19, 19-22, 22-30), and each row's question rows over its state.
+    assert full.own_keys.cu_seqlens_q.tolist() == [0, 4, 10, 15, 19, 22, 30]
+    assert full.question_tokens.tolist() == [*range(4, 10), *range(15, 30)]
+    assert full.state_keys.cu_seqlens_q.tolist() == [0, 6, 6, 21, 21]
+    assert full.state_keys.cu_seqlens_k.tolist() == [0, 4, 10, 15, 30]
     # Gated DeltaNet, phase A: every token but p's questions, from the slots.
     # Both phases' tokens are consecutive: views, not gathers.
     assert scan.state_tokens == slice(0, 15)

@@ -3,16 +3,22 @@
 A full-attention layer at d3-turbo's head shape (24 query / 4 KV heads,
 head_dim 256, bf16) is built by vLLM for a prefix_bidir checkpoint, with the
 plugin's config hook, so its backend is the D3 composite
-(``vllm_d3.testing.attention_layer``). On random queries and a random paged KV
-cache, the dense pieces (FlashAttention 3), the ranged Triton child and a float32
-PyTorch attention whose mask is written from the definition must agree, for
-single prompts and mixed batches, fresh (c = 0) and partly computed (c > 0).
+(``vllm_d3.testing.attention_layer``), once per dense-piece kernel the GPU
+runs. On random queries and a random paged KV cache, the dense pieces, the
+ranged Triton child and a float32 PyTorch attention whose mask is written from
+the definition must agree, for single prompts, mixed and packed batches; a
+partly computed prompt (c > 0) must go to ranged Triton.
 """
 
 import pytest
 
 from vllm_d3.testing.attention_layer import FullAttentionLayer, Prompt
 from vllm_d3.v1.attention.backends import d3_prefix_bidir
+from vllm_d3.v1.attention.backends.d3_dense_kernels import (
+    KERNEL_NAMES,
+    check_kernels,
+    kernel_unavailable,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,6 +31,8 @@ BATCHES = {
     "state only": [Prompt(300, 300)],
     "one state token": [Prompt(1, 200)],
     "state across blocks": [Prompt(1700, 1850)],
+    # The state pass then has one query per row (its bound is kept above 1).
+    "one question token per row": [Prompt(30, 31), Prompt(7, 8), Prompt(500, 501)],
     "mixed batch": [
         Prompt(300, 450),
         Prompt(1, 37),
@@ -45,34 +53,47 @@ BATCHES = {
 }
 #: Batches that only the dense path runs (ranged Triton cannot express them).
 PACKED = {"packed", "packed beside one question"}
+#: Batches whose keys are partly from earlier steps: ranged Triton serves them.
+PARTLY_COMPUTED = {n for n in BATCHES if any(p.computed for p in BATCHES[n])}
 
 
-@pytest.fixture(scope="module")
-def layer(tmp_path_factory):
+@pytest.fixture(scope="module", params=KERNEL_NAMES)
+def layer(request, tmp_path_factory):
     from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 
+    kernel = request.param
+    if (reason := kernel_unavailable(kernel)) is not None:
+        pytest.skip(f"{kernel}: {reason}")
     path = write_tiny_checkpoint(
         tmp_path_factory.mktemp("turbo"), shape="d3-turbo", weights=False
     )
-    return FullAttentionLayer(
-        str(path), BLOCK_SIZE, max_prompt_len=4096, max_batch_tokens=8192, num_blocks=32
+    layer = FullAttentionLayer(
+        str(path),
+        BLOCK_SIZE,
+        max_prompt_len=4096,
+        max_batch_tokens=8192,
+        num_blocks=32,
+        kernel=kernel,
     )
+    assert layer.kernel == kernel
+    return layer
 
 
 @pytest.mark.parametrize("name", BATCHES)
 def test_dense_pieces_match_ranged_triton_and_the_reference(layer, name):
     prompts = BATCHES[name]
-    assert layer.routed_path(prompts) == "dense"
+    path = layer.routed_path(prompts)
+    assert path == ("ranged" if name in PARTLY_COMPUTED else "dense")
     query = layer.random_query(prompts)
     keys_values = layer.fresh_keys_values(prompts)
     expected = layer.reference(prompts, query)
-    dense = layer.forward(query, layer.metadata(prompts, "dense"), keys_values)
-    assert (dense.float() - expected.float()).abs().max() < TOLERANCE
+    if path == "dense":
+        dense = layer.forward(query, layer.metadata(prompts, "dense"), keys_values)
+        assert (dense.float() - expected.float()).abs().max() < TOLERANCE
     if name in PACKED:
         return
     ranged = layer.forward(query, layer.metadata(prompts, "ranged"), keys_values)
     assert (ranged.float() - expected.float()).abs().max() < TOLERANCE
-    assert (dense.float() - ranged.float()).abs().max() < TOLERANCE
 
 
 def test_packed_questions_do_not_see_each_other(layer):
@@ -92,7 +113,7 @@ def test_packed_questions_do_not_see_each_other(layer):
 
 
 def test_the_check_sees_a_wrong_mask(layer):
-    # The same batch without ranges is plain causal FlashAttention: far from
+    # The same batch without ranges is plain causal Triton: far from
     # the prefix_bidir reference, so the comparisons above can fail.
     prompts = [Prompt(1700, 1850)]
     query = layer.random_query(prompts)
@@ -110,3 +131,12 @@ def test_the_served_layer_has_the_d3_backend(layer):
     attention = layer.config.attention_config
     member = attention.backend_per_kind["full_attention"]
     assert member.name == d3_prefix_bidir.REGISTRY_MEMBER
+
+
+def test_the_start_up_check_passes_the_kernel(layer):
+    assert d3_prefix_bidir.check_dense_kernel(layer.kernel) is None
+
+
+def test_the_start_up_check_runs_in_a_process_of_its_own():
+    present = [k for k in KERNEL_NAMES if kernel_unavailable(k) is None]
+    assert check_kernels(present) == (present[0], [])

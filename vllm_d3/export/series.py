@@ -639,32 +639,38 @@ class D3Strategy(D3StateBlockReads, ReadStrategy):
 _REGISTRY = "vllm/v1/attention/backends/registry.py"
 
 DENSE_ATTENTION = Patch(
-    title="[Attention] D3 prefix_bidir: dense pieces on FlashAttention 3, state once",
+    title="[Attention] D3 prefix_bidir: dense pieces on any GPU, state once",
     body="""\
 A prefix_bidir row is not causal attention, and the ranged Triton kernel that
 applies its ranges scans every key for every query (about 50 TFLOP/s on long
-prompts on an H200). Every attention piece of such a row is dense and
-non-causal: the state over the state's keys, each question over the state's
-keys and its own.
+prompts on an H200). prefix_bidir refuses chunked prefill and prefix caching,
+so a ranged row is computed whole in one step and its mask is two passes of
+plain non-causal attention over the step's own keys and values: every range
+(the state, each question block) over itself, and each row's question rows
+over its state, merged by log-sum-exp (merge_attn_states). The same two passes
+serve a row that packs several questions after one state.
 
-D3_PREFIX_BIDIR, a composite of ranged Triton and FlashAttention 3 whose
-builder rewrites a batch of ranged rows into those pieces (virtual sequences:
-cu_seqlens per piece, seqused_k the piece's last key + 1, the row's block-table
-row per piece, causal=False). A row that packs several questions after one
-state also runs each question over its own fresh keys, merged with the
-question's state pass by log-sum-exp (merge_attn_states). A batch that does not
-split into pieces (a prompt split across steps) runs on ranged Triton, logged
-once; a packed row there is refused, since no kernel computes its mask. Its
-kernel blocks are 80 tokens, FlashAttention 3's key tile at head_dim 256.
+D3_PREFIX_BIDIR, a composite of ranged Triton and a Triton-layout child whose
+builder turns a batch of whole ranged rows into the two passes' cu_seqlens and
+whose impl runs them on a variable-length kernel that returns its log-sum-exp
+(d3_dense_kernels): FlashAttention 3 on Hopper, FlashAttention 2 on
+Ampere/Ada and Blackwell, PyTorch's flash attention on ROCm, and a new Triton
+kernel (ops/dense_piece_attention.py) as the next choice everywhere. A batch
+that does not split into pieces (a prompt split across steps) runs on ranged
+Triton, logged once; a packed row there is refused, since no kernel computes
+its mask.
 
 The D3 config hook (the new d3_serving module) puts the full-attention layers
-of prefix_bidir checkpoints on it where the platform runs it (Hopper with
-FlashAttention 3) and the user chose no backend, and then decides once, for
-every process, whether /v1/systemone reads each request's state once (packed
-questions; additional_config d3_state_once, which the user can turn off) and
-keeps the Gated DeltaNet prefill on Triton/FLA, the kernel the packed path was
-validated on, unless --gdn-prefill-backend chose another. Each decision is
-logged with its reason.""",
+of prefix_bidir checkpoints on it where a kernel runs and the user chose no
+backend: the one additional_config d3_attention_kernel forces, else the
+platform's first, which on any GPU but Hopper (where they were validated)
+first runs a small prefix_bidir batch against a float32 reference in a process
+of its own; if none passes, vLLM's ranged attention stays. It then decides
+once, for every process, whether /v1/systemone reads each request's state once
+(packed questions; additional_config d3_state_once, which the user can turn
+off) and keeps the Gated DeltaNet prefill on Triton/FLA, the kernel the packed
+path was validated on, unless --gdn-prefill-backend chose another. Each
+decision is logged with its reason.""",
     changes=(
         Edit(
             _REGISTRY,
@@ -700,6 +706,8 @@ REGISTRY_MEMBER = BACKEND_NAME
                 ),
             ),
         ),
+        NewFile("v1/attention/backends/d3_dense_kernels.py"),
+        NewFile("v1/attention/ops/dense_piece_attention.py"),
         NewFile("model_executor/models/d3_serving.py"),
         Edit(
             _CONFIG,

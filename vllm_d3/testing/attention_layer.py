@@ -11,13 +11,14 @@ question block; a packed prompt has several), the builder makes the metadata,
 and the layer's impl computes the attention, with the step's fresh keys and
 values read back from the cache (where the runner has just written them).
 
-``path`` picks the child of the D3 composite: ``"dense"`` (FlashAttention 3
-over the plugin's dense pieces) or ``"ranged"`` (vLLM's ranged Triton, which
-cannot run packed prompts), so both are measured and checked on the same
-inputs. ``reference`` is an independent float32 PyTorch attention with the mask
-written out from its definition: a state query sees the state, a question query
-sees the state and its own question block. CUDA only: the GPU test and the
-attention benchmark use it.
+``path`` picks the child of the D3 composite: ``"dense"`` (the plugin's dense
+pieces on the layer's ``kernel``, which the config hook resolves as for
+``--additional-config '{"d3_attention_kernel": kernel}'``) or ``"ranged"``
+(vLLM's ranged Triton, which cannot run packed prompts), so both are measured
+and checked on the same inputs. ``reference`` is an independent float32
+PyTorch attention with the mask written out from its definition: a state query
+sees the state, a question query sees the state and its own question block.
+CUDA only: the GPU test and the attention benchmark use it.
 """
 
 import itertools
@@ -32,6 +33,10 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from vllm_d3.model_executor.models.d3_contract import (
+    ATTENTION_KERNEL_KEY,
+    AUTO_KERNEL,
+)
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3PrefixBidirAttentionBackend,
     DensePieceRouting,
@@ -84,6 +89,7 @@ class FullAttentionLayer:
         max_prompt_len: int,
         max_batch_tokens: int,
         num_blocks: int,
+        kernel: str = AUTO_KERNEL,
     ) -> None:
         self.device = torch.device("cuda")
         self.block_size = block_size
@@ -92,7 +98,12 @@ class FullAttentionLayer:
             max_model_len=max_prompt_len,
             max_num_batched_tokens=max_batch_tokens,
             load_format="dummy",
+            additional_config={ATTENTION_KERNEL_KEY: kernel},
         ).create_engine_config()
+        extra = self.config.additional_config
+        assert isinstance(extra, dict)  # the config hook writes into it
+        #: The dense pieces' kernel the config hook chose.
+        self.kernel = extra[ATTENTION_KERNEL_KEY]
         text = self.config.model_config.hf_text_config
         self.num_heads = text.num_attention_heads
         self.num_kv_heads = text.num_key_value_heads

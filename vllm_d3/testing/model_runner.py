@@ -24,9 +24,13 @@ attention metadata builders.
   prompt_lens, slots)``: the model's two KV-cache groups (full attention on the
   D3 composite, Gated DeltaNet on vLLM's GDN backend) and the state's
   ``prepare_attn`` over a step on them; returns a full-attention layer's
-  metadata, a GDN layer's, and the GDN layer names.
+  metadata, a GDN layer's, and the GDN layer names;
+- ``dense_pieces_mask(metadata)``: the (query, key) token pairs of a step that
+  the dense-piece attention metadata lets attend, rebuilt from its two passes
+  (each query's two key sets must not overlap: their results are merged).
 """
 
+import itertools
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,6 +65,7 @@ from vllm.v1.worker.gpu.model_states import default as default_model_state
 from vllm.v1.worker.utils import AttentionGroup
 
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
+    D3DensePiecesMetadata,
     D3PrefixBidirAttentionBackend,
 )
 
@@ -297,3 +302,24 @@ def hybrid_metadata(state, order, prompt_lens, slots, for_capture=False):
             for_capture=for_capture,
         )
     return metadata[attention[0]], metadata[gdn[0]], gdn
+
+
+def dense_pieces_mask(metadata: D3DensePiecesMetadata) -> torch.Tensor:
+    """(tokens, tokens) bool: which keys each query of the step reads."""
+    num_tokens = metadata.num_actual_tokens
+    mask = torch.zeros(num_tokens, num_tokens, dtype=torch.bool)
+    own = metadata.own_keys.cu_seqlens_q.cpu().tolist()
+    assert own == metadata.own_keys.cu_seqlens_k.cpu().tolist()
+    assert own[0] == 0 and own[-1] == num_tokens
+    for a, b in itertools.pairwise(own):
+        mask[a:b, a:b] = True
+    questions = metadata.question_tokens.cpu()
+    state = metadata.state_keys
+    cu_q, cu_k = state.cu_seqlens_q.cpu().tolist(), state.cu_seqlens_k.cpu().tolist()
+    assert cu_q[0] == cu_k[0] == 0 and cu_q[-1] == len(questions)
+    for seq in range(len(cu_q) - 1):
+        rows = questions[cu_q[seq] : cu_q[seq + 1]]
+        keys = slice(cu_k[seq], cu_k[seq + 1])
+        assert not mask[rows, keys].any(), "a key read in both passes"
+        mask[rows, keys] = True
+    return mask

@@ -14,6 +14,8 @@ config hook (start-up), the read strategy (API server) and the worker:
 - ``check_prompt_layout``: only the ``d3`` layout (or none) is understood.
 - ``temperature_schedule_of``: the d3-ultra ``temperature_by_questions`` rule or None.
 - ``state_tokens_of``: the ``d3_state_tokens`` a prefix_bidir request must carry.
+- ``attention_kernel_of``: the ``d3_attention_kernel`` switch of
+  ``--additional-config`` (``auto`` when absent).
 - ``state_once_of``: the ``d3_state_once`` switch of ``--additional-config``
   (the user's, true when absent); ``state_once_decided``: the config hook's
   decision, written back under the same key (no when absent).
@@ -50,6 +52,12 @@ QUESTION_ENDS_KEY = "d3_question_ends"
 #: (``false``: one engine request per question). The config hook replaces it
 #: with what the server does.
 STATE_ONCE_KEY = "d3_state_once"
+#: ``--additional-config`` key that forces the dense-piece attention's kernel;
+#: the config hook writes back the one it chose (``ranged``: none).
+ATTENTION_KERNEL_KEY = "d3_attention_kernel"
+#: Its values besides a kernel's name: the platform's choice, or vLLM's ranged
+#: attention with one engine request per question.
+AUTO_KERNEL, RANGED_KERNEL = "auto", "ranged"
 #: The prompt layouts this plugin renders. ``header-v1`` (d3-ultra) is not public.
 PROMPT_LAYOUTS = ("d3",)
 
@@ -275,6 +283,21 @@ def state_once_of(additional_config: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(
             f"--additional-config {STATE_ONCE_KEY} must be true or false, not {value!r}"
+        )
+    return value
+
+
+def attention_kernel_of(additional_config: Any, kernels: tuple[str, ...]) -> str:
+    """``additional_config["d3_attention_kernel"]``: one of ``kernels``, or
+    ``auto`` (also when absent) or ``ranged``."""
+    if not isinstance(additional_config, Mapping):
+        return AUTO_KERNEL
+    value = additional_config.get(ATTENTION_KERNEL_KEY, AUTO_KERNEL)
+    choices = (AUTO_KERNEL, *kernels, RANGED_KERNEL)
+    if value not in choices:
+        raise ValueError(
+            f"--additional-config {ATTENTION_KERNEL_KEY} must be one of "
+            f"{', '.join(choices)}, not {value!r}"
         )
     return value
 

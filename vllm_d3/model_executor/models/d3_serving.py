@@ -11,11 +11,16 @@ workers) agrees, and logs each with the reason:
 - the full-attention layers run the dense-piece backend
   (``v1/attention/backends/d3_prefix_bidir.py``, the ``AttentionBackendEnum``
   member it names) through ``attention_config.backend_per_kind`` when the user
-  chose no attention backend and the platform runs it (a Hopper GPU with
-  FlashAttention 3); otherwise vLLM's own selection (ranged attention) stays;
+  chose no attention backend, the KV cache is bf16/fp16, context parallelism is
+  off and a dense-piece kernel runs here: the one ``--additional-config
+  d3_attention_kernel`` forces, else the platform's default
+  (``d3_dense_kernels.DEFAULT_KERNELS``), run first on a small batch against a
+  float32 reference on any GPU but Hopper, where they were validated. The
+  kernel's name goes into ``additional_config["d3_attention_kernel"]``
+  (``ranged`` where vLLM's own selection, ranged attention, stays). A forced
+  kernel that cannot run stops start-up;
 - where the dense pieces serve, /v1/systemone reads each request's state once
-  (``additional_config["d3_state_once"]``, true) unless the user set it false
-  or the KV cache is quantized or context parallelism is on;
+  (``additional_config["d3_state_once"]``, true) unless the user set it false;
 - the Gated DeltaNet prefill kernel is Triton/FLA (the validated one) unless
   ``--gdn-prefill-backend`` chose another, which is logged as unvalidated for
   the state-once path;
@@ -28,7 +33,7 @@ Other checkpoints are left as they are.
 """
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.device_allocator.alloc_conf import (
     ALLOC_CONF_ENV_VARS,
@@ -40,7 +45,11 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from vllm_d3.model_executor.models.d3_contract import (
+    ATTENTION_KERNEL_KEY,
+    AUTO_KERNEL,
+    RANGED_KERNEL,
     STATE_ONCE_KEY,
+    attention_kernel_of,
     decision_config_of,
     is_prefix_bidir,
     state_once_of,
@@ -61,9 +70,9 @@ VALIDATED_GDN_PREFILL_BACKEND = "triton"
 def select_prefix_bidir_serving(
     vllm_config: "VllmConfig", unavailable: str | None = None
 ) -> None:
-    """Decide the attention backend, the state-once reads and the GDN prefill
-    kernel of a prefix_bidir checkpoint (``unavailable``: why the dense-piece
-    backend cannot be used, where the caller knows)."""
+    """Decide the attention backend and kernel, the state-once reads and the GDN
+    prefill kernel of a prefix_bidir checkpoint (``unavailable``: why the
+    dense-piece backend cannot be used, where the caller knows)."""
     if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
         return
     dense_attention = _select_full_attention(vllm_config, unavailable)
@@ -71,66 +80,115 @@ def select_prefix_bidir_serving(
     _select_allocator(vllm_config)
 
 
-def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -> bool:
-    """Put the full-attention layers on the dense-piece backend where it runs;
-    whether it does."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.kv_cache_interface import KVCacheSpecKind
-
-    from vllm_d3.v1.attention.backends import d3_prefix_bidir
-
-    attention = vllm_config.attention_config
-    kind = KVCacheSpecKind.FULL_ATTENTION.value
-    chosen = attention.backend_per_kind.get(kind, attention.backend)
-    reason: str | None
-    if chosen is not None:
-        reason = f"{chosen.name} was chosen"
-    elif unavailable is not None:
-        reason = unavailable
-    elif attention.flash_attn_version not in (None, 3):
-        reason = f"FlashAttention {attention.flash_attn_version} was chosen"
-    else:
-        reason = d3_prefix_bidir.dense_attention_unavailable()
-    if reason is None:
-        attention.backend_per_kind[kind] = AttentionBackendEnum[
-            d3_prefix_bidir.REGISTRY_MEMBER
-        ]
-        logger.info(
-            "D3 prefix_bidir: full-attention layers on %s (FlashAttention 3 over "
-            "dense state and question pieces; ranged Triton for a batch that does "
-            "not split into them). --attention-backend TRITON_FLASH_ATTN selects "
-            "vLLM's ranged attention instead.",
-            d3_prefix_bidir.BACKEND_NAME,
-        )
-        return True
-    logger.info(
-        "D3 prefix_bidir: full-attention layers on vLLM's own selection "
-        "(ranged attention), not %s: %s",
-        d3_prefix_bidir.BACKEND_NAME,
-        reason,
-    )
-    return False
-
-
-def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
-    """Decide, once for every process, whether /v1/systemone reads a request's
-    state once (packed questions), and keep the Gated DeltaNet prefill on the
-    kernel the packed path was validated on."""
+def _additional_config(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """``--additional-config``, where the decisions are written."""
     extra = vllm_config.additional_config
     if not isinstance(extra, dict):
         raise ValueError(
             "D3 prefix_bidir needs --additional-config to be a JSON object, not "
             f"{type(extra).__name__}"
         )
+    return extra
+
+
+def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -> bool:
+    """Put the full-attention layers on the dense-piece backend where a kernel
+    runs them, writing the kernel into ``additional_config``; whether it does."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import KVCacheSpecKind
+
+    from vllm_d3.v1.attention.backends import d3_dense_kernels, d3_prefix_bidir
+
+    attention = vllm_config.attention_config
+    extra = _additional_config(vllm_config)
+    forced = attention_kernel_of(extra, d3_dense_kernels.KERNEL_NAMES)
+    kind = KVCacheSpecKind.FULL_ATTENTION.value
+    chosen = attention.backend_per_kind.get(kind, attention.backend)
+    kernel: str | None = None
+    if chosen is not None:
+        reason = f"{chosen.name} was chosen"
+    elif unavailable is not None:
+        reason = unavailable
+    elif forced == RANGED_KERNEL:
+        reason = f"{ATTENTION_KERNEL_KEY} is {RANGED_KERNEL}"
+    elif attention.flash_attn_version not in (None, 2, 3):
+        # FlashAttention 4 applies vLLM's ranges itself.
+        reason = f"FlashAttention {attention.flash_attn_version} was chosen"
+    elif is_quantized_kv_cache(vllm_config.cache_config.cache_dtype):
+        reason = "the dense pieces read a bf16/fp16 KV cache"
+    elif vllm_config.parallel_config.decode_context_parallel_size > 1:
+        reason = "the dense pieces do not run with context parallelism"
+    else:
+        if forced == AUTO_KERNEL and attention.flash_attn_version is not None:
+            forced = f"fa{attention.flash_attn_version}"
+        kernel, reason = _choose_kernel(forced)
+    if kernel is None and forced not in (AUTO_KERNEL, RANGED_KERNEL):
+        raise ValueError(
+            f"--additional-config {ATTENTION_KERNEL_KEY} {forced!r} cannot serve "
+            f"the D3 prefix_bidir attention: {reason}"
+        )
+    extra[ATTENTION_KERNEL_KEY] = kernel or RANGED_KERNEL
+    if kernel is None:
+        logger.info(
+            "D3 prefix_bidir: full-attention layers on vLLM's own selection "
+            "(ranged attention), not %s: %s",
+            d3_prefix_bidir.BACKEND_NAME,
+            reason,
+        )
+        return False
+    attention.backend_per_kind[kind] = AttentionBackendEnum[
+        d3_prefix_bidir.REGISTRY_MEMBER
+    ]
+    logger.info(
+        "D3 prefix_bidir: full-attention layers on %s, dense state and question "
+        "pieces on %s (%s; ranged Triton for a batch that does not split into "
+        'them). --additional-config \'{"%s": "..."}\' forces one of %s.',
+        d3_prefix_bidir.BACKEND_NAME,
+        kernel,
+        reason,
+        ATTENTION_KERNEL_KEY,
+        ", ".join((*d3_dense_kernels.KERNEL_NAMES, RANGED_KERNEL)),
+    )
+    return True
+
+
+def _choose_kernel(forced: str) -> tuple[str | None, str]:
+    """The dense-piece kernel for this GPU (``forced``, or the platform's first
+    one present, checked at start-up where it was not validated), with why."""
+    from vllm_d3.v1.attention.backends import d3_dense_kernels as kernels
+
+    family, present, none_present = kernels.platform_kernels()
+    if family is None or (forced == AUTO_KERNEL and not present):
+        return None, none_present or ""
+    if forced == AUTO_KERNEL:
+        candidates, how = present, f"the default on {family}"
+    else:
+        why_not = kernels.kernel_unavailable(forced)
+        if why_not is not None:
+            return None, f"{why_not} (present on this {family} GPU: {present})"
+        candidates, how = [forced], f"{ATTENTION_KERNEL_KEY} chose it"
+    if family == kernels.VALIDATED_FAMILY:
+        return candidates[0], f"{how}, validated on {family}"
+    passed, failures = kernels.check_kernels(candidates)
+    for failure in failures:
+        logger.warning("D3 prefix_bidir: dense-piece kernel check failed: %s", failure)
+    if passed is None:
+        return None, (
+            f"no dense-piece kernel of {candidates} passed its start-up check on "
+            f"this {family} GPU"
+        )
+    return passed, f"{how}, passed its start-up check on this {family} GPU"
+
+
+def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
+    """Decide, once for every process, whether /v1/systemone reads a request's
+    state once (packed questions), and keep the Gated DeltaNet prefill on the
+    kernel the packed path was validated on."""
+    extra = _additional_config(vllm_config)
     if not state_once_of(extra):
         why_not: str | None = f"{STATE_ONCE_KEY} is false"
     elif not dense_attention:
         why_not = "reading the state once needs the dense-piece attention"
-    elif is_quantized_kv_cache(vllm_config.cache_config.cache_dtype):
-        # Packed rows merge two FlashAttention passes over bf16/fp16 keys.
-        why_not = "reading the state once needs a bf16/fp16 KV cache"
-    elif vllm_config.parallel_config.decode_context_parallel_size > 1:
-        why_not = "reading the state once does not run with context parallelism"
     else:
         why_not = None
     extra[STATE_ONCE_KEY] = why_not is None

@@ -5,80 +5,72 @@
 ``triton_flash_attn.py``).
 
 A prefix_bidir row carries its ranges in ``mm_req_doc_ranges``: the state
-``[0, s)`` first, then one range per question block, tiling the row. Every
-question reads the state and itself both ways; the state reads itself.
+``[0, s)`` first, then one range per question block, tiling the row (one block
+for a prompt ``state || question``, several for a packed row ``state || q1 ||
+... || qQ``, the state read once). Every question reads the state and itself
+both ways; the state reads itself.
 
-- A row with one question (``[(0, s - 1), (s, n - 1)]``) is vLLM's PrefixLM
-  mask (causal OR both ways inside one range): a query inside range ``[a, b]``
-  sees exactly the keys ``[0, b]``, so each range is one dense, non-causal
-  piece.
-- A packed row (``state || q1 || ... || qQ``, ``Q >= 2``; the state read once
-  for all its questions) is not a PrefixLM mask: question ``i`` must not see
-  questions ``1 .. i - 1``. Its pieces are the state over the state keys, all
-  its question rows over the state keys ``[0, s)``, and each question over its
-  own keys, which are this step's fresh keys; the question rows' two partial
-  results are merged by their log-sum-exp (vLLM's ``merge_attn_states``). The
-  ranged Triton kernel cannot express it, so a packed row runs only here.
+prefix_bidir refuses chunked prefill and prefix caching, so a ranged row is
+computed whole in one step and every key it reads is among the step's own keys
+and values. Its mask is then two passes of plain non-causal attention over
+those contiguous tensors, merged by log-sum-exp:
 
-So a batch whose every ranged row is scheduled to its end is plain non-causal
-attention over virtual sequences, which FlashAttention 3 runs at full speed,
-instead of the ranged Triton kernel that scans every key for every row.
+- own keys: every range over itself (the state over the state, each question
+  block over its block), one sequence per range;
+- state keys: each row's question rows (gathered) over its state, one sequence
+  per row, then one with no queries that steps over the row's question keys;
+- each question row's two results merged (vLLM's ``merge_attn_states``).
+
+Any variable-length non-causal kernel that returns its log-sum-exp runs them
+(``d3_dense_kernels``: FlashAttention 3 or 2, PyTorch's flash attention, this
+package's Triton kernel); the config hook picks one per platform and writes its
+name into ``additional_config[ATTENTION_KERNEL_KEY]``.
 
 - ``dense_pieces`` turns a batch (``CommonAttentionMetadata`` with
-  ``mm_req_doc_ranges``) into virtual sequences, or returns None when it cannot
-  be expressed so: a ranged row that stops before its last range ends (a prompt
-  split across steps), ranges that do not tile the row, or a row without ranges
-  that has more than one query (plain causal attention). Its ``questions`` are
-  the packed rows' question blocks, the own-key pieces.
-- ``dense_piece_metadata`` rewrites the batch metadata for those virtual
-  sequences: ``cu_seqlens_q`` per piece, ``seqused_k`` = the piece's last key + 1,
-  the row's block-table row repeated for each of its pieces, ``causal=False``.
-  KV writes do not read it (they run before attention, on the real slots).
-  ``D3DenseFlashAttentionImpl`` runs the own-key pieces and the merge when the
-  batch has packed rows (``D3FlashAttentionMetadata.questions``).
+  ``mm_req_doc_ranges``) into the two passes' ``cu_seqlens``, or returns None
+  when it cannot: a ranged row not whole in this step, ranges that do not tile
+  the row, or a row without ranges (plain causal attention).
 - ``D3PrefixBidirAttentionBackend`` is a composite (0.33.0's
-  ``create_composite_attention_backend``) of the ranged Triton backend and a
-  FlashAttention 3 backend whose builder applies ``dense_pieces``.
-  ``DensePieceRouting`` sends a batch to FlashAttention when ``dense_pieces``
-  can express it (or it has no ranges: plain causal FlashAttention) and to
-  ranged Triton otherwise, logging the first such fallback. A batch with a
-  packed row that does not split into pieces is refused (``PackedRowError``):
-  no kernel here computes its mask.
-- The FlashAttention child declares kernel blocks of ``KEY_TILE_TOKENS`` (80)
-  tokens, so vLLM sizes the hybrid KV block of d3-turbo at 800 tokens instead of
-  784: whole key tiles per page, which FlashAttention 3 reads faster.
-
-The config hook (``model_executor/models/d3_serving.py``) selects it, as the
-``AttentionBackendEnum`` member ``REGISTRY_MEMBER``, for the full-attention
-layers of prefix_bidir checkpoints where ``dense_attention_unavailable`` finds
-nothing missing: a Hopper GPU with vLLM's FlashAttention 3.
+  ``create_composite_attention_backend``) of vLLM's ranged Triton backend and a
+  Triton backend whose builder and impl run the dense pieces.
+  ``DensePieceRouting`` sends a batch to the dense child when ``dense_pieces``
+  can express it (or it has no ranges: plain causal Triton there) and to ranged
+  Triton otherwise, logging the first such fallback. A batch with a packed row
+  that does not split into pieces is refused (``PackedRowError``): no kernel
+  here computes its mask.
+- ``check_dense_kernel`` runs a kernel through the same pieces and merge on a
+  small batch against a float32 masked attention: the start-up check of a
+  kernel on a GPU it was not validated on.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from vllm.config.cache import CacheDType
+from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
-from vllm.platforms import current_platform
-from vllm.platforms.interface import DeviceCapability
-from vllm.v1.attention.backend import CommonAttentionMetadata, MultipleOf
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.composite import (
     MMPrefixAttentionRouting,
     create_composite_attention_backend,
 )
-from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-from vllm.v1.attention.backends.flash_attn import (
-    FlashAttentionBackend,
-    FlashAttentionImpl,
-    FlashAttentionMetadata,
-    FlashAttentionMetadataBuilder,
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
 )
-from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
-from vllm.v1.kv_cache_interface import KVCacheSpec, is_quantized_kv_cache
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
-from vllm_d3.model_executor.models.d3_contract import PrefixRanges
+from vllm_d3.model_executor.models.d3_contract import (
+    ATTENTION_KERNEL_KEY,
+    PrefixRanges,
+)
+from vllm_d3.v1.attention.backends.d3_dense_kernels import (
+    CHECK_TOLERANCE,
+    DenseKernel,
+    dense_kernel,
+)
 
 #: The backend's name in logs.
 BACKEND_NAME = "D3_PREFIX_BIDIR"
@@ -87,9 +79,6 @@ BACKEND_NAME = "D3_PREFIX_BIDIR"
 #: config naming it unpickles in spawned engine and worker processes (one added
 #: at run time would not).
 REGISTRY_MEMBER = "CUSTOM"
-#: FlashAttention 3's key tile at head_dim 256 on Hopper, in tokens; a multiple
-#: of 16, the paged kernels' own alignment.
-KEY_TILE_TOKENS = 80
 
 # Under the "vllm" logger, so that it shares vLLM's handlers and level.
 logger = init_logger(f"vllm.{__name__}")
@@ -97,17 +86,18 @@ logger = init_logger(f"vllm.{__name__}")
 
 @dataclass(frozen=True)
 class DensePieces:
-    """A batch as virtual sequences, each one dense non-causal piece."""
+    """A batch's two passes (module docstring), on the host."""
 
-    rows: np.ndarray
-    """(num_pieces,) the batch row each piece belongs to."""
-    query_start_loc: np.ndarray
-    """(num_pieces + 1,) int32, where each piece's queries start in the batch."""
-    seq_lens: np.ndarray
-    """(num_pieces,) int32, the keys each piece reads: positions [0, seq_len)."""
-    questions: np.ndarray
-    """(num_questions, 2) int64, the packed rows' question blocks as
-    ``[start, end)`` in the batch's tokens: each also reads its own keys."""
+    own_cu_seqlens: np.ndarray
+    """(num_ranges + 1,) int32: every range of every row, over its own keys."""
+    state_cu_seqlens_q: np.ndarray
+    """(2 * rows + 1,) int32 over ``question_tokens``: each row's question rows,
+    then none (the sequence that steps over its question keys)."""
+    state_cu_seqlens_k: np.ndarray
+    """(2 * rows + 1,) int32 over the batch's tokens: each row's state keys, then
+    its question keys (read by no query)."""
+    question_tokens: np.ndarray
+    """(num_question_tokens,) int64, the batch's question tokens in order."""
 
 
 class PackedRowError(RuntimeError):
@@ -143,188 +133,179 @@ def dense_pieces(metadata: CommonAttentionMetadata) -> DensePieces | None:
     # Exact for prefill rows, the only rows that carry ranges.
     assert metadata.seq_lens_cpu_upper_bound is not None
     seq_lens = metadata.seq_lens_cpu_upper_bound.numpy()
-    rows: list[int] = []
-    piece_starts: list[int] = []
-    piece_keys: list[int] = []
-    questions: list[tuple[int, int]] = []
-
-    def add_piece(row: int, first_query: int, keys: int) -> None:
-        rows.append(row)
-        piece_starts.append(first_query)
-        piece_keys.append(keys)
-
+    own_ends: list[int] = [0]
+    state_q: list[int] = [0]
+    state_k: list[int] = [0]
+    questions: list[np.ndarray] = []
     for row in range(metadata.num_reqs):
-        query_begin = int(starts[row])
-        query_len = int(starts[row + 1]) - query_begin
-        seq_len = int(seq_lens[row])
-        first_query = seq_len - query_len
+        begin = int(starts[row])
+        query_len = int(starts[row + 1]) - begin
+        if query_len == 0:
+            continue
         spans = _spans(ranges, row)
-        if not spans:
-            if query_len > 1:
-                return None  # causal attention over several queries
-            if query_len == 1:
-                # One query at the end of its sequence: causal is non-causal.
-                add_piece(row, query_begin, seq_len)
-            continue
-        if not _tiled_spans(spans, seq_len):
+        # Keys from an earlier step, or a row that is not prefix_bidir.
+        if query_len != int(seq_lens[row]) or not _tiled_spans(spans, query_len):
             return None
-        if len(spans) > 2:
-            # Packed: every question reads the state and its own block, so all
-            # of them must be in this step.
-            state_tokens = spans[0][1] + 1
-            if first_query > state_tokens:
-                return None
-            if first_query < state_tokens:
-                add_piece(row, query_begin, state_tokens)
-            # All question rows over the state keys, in one piece ...
-            add_piece(row, query_begin + state_tokens - first_query, state_tokens)
-            # ... and each over its own keys, merged with it.
-            questions.extend(
-                (query_begin + a - first_query, query_begin + b + 1 - first_query)
-                for a, b in spans[1:]
-            )
-            continue
-        for start, end in spans:
-            if end < first_query:
-                continue  # computed in an earlier step
-            add_piece(row, query_begin + max(start, first_query) - first_query, end + 1)
-    if not rows:
+        own_ends.extend(begin + end + 1 for _, end in spans)
+        state_end = begin + spans[0][1] + 1
+        num_questions = begin + query_len - state_end
+        state_q.extend((state_q[-1] + num_questions,) * 2)
+        state_k.extend((state_end, begin + query_len))
+        questions.append(np.arange(state_end, begin + query_len))
+    if len(own_ends) == 1:
         return None
-    piece_starts.append(int(starts[metadata.num_reqs]))
     return DensePieces(
-        rows=np.asarray(rows, dtype=np.int64),
-        query_start_loc=np.asarray(piece_starts, dtype=np.int32),
-        seq_lens=np.asarray(piece_keys, dtype=np.int32),
-        questions=np.asarray(questions, dtype=np.int64).reshape(-1, 2),
+        own_cu_seqlens=np.asarray(own_ends, dtype=np.int32),
+        state_cu_seqlens_q=np.asarray(state_q, dtype=np.int32),
+        state_cu_seqlens_k=np.asarray(state_k, dtype=np.int32),
+        question_tokens=np.concatenate(questions).astype(np.int64),
     )
-
-
-def dense_piece_metadata(
-    metadata: CommonAttentionMetadata, pieces: DensePieces
-) -> CommonAttentionMetadata:
-    """``metadata`` rewritten for the pieces: one non-causal sequence each."""
-    device = metadata.query_start_loc.device
-    query_start_loc_cpu = torch.from_numpy(pieces.query_start_loc)
-    seq_lens_cpu = torch.from_numpy(pieces.seq_lens)
-    rows = torch.from_numpy(pieces.rows).to(device, non_blocking=True)
-    return metadata.replace(
-        query_start_loc=query_start_loc_cpu.to(device, non_blocking=True),
-        query_start_loc_cpu=query_start_loc_cpu,
-        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
-        seq_lens_cpu_upper_bound=seq_lens_cpu,
-        num_reqs=len(pieces.rows),
-        max_query_len=int(np.diff(pieces.query_start_loc).max()),
-        max_seq_len=int(pieces.seq_lens.max()),
-        # FlashAttention 3 takes exactly one block-table row per sequence.
-        block_table_tensor=metadata.block_table_tensor.index_select(0, rows),
-        causal=False,
-        # The ranges are spent: FlashAttention must not apply them again.
-        mm_req_doc_ranges=None,
-        # Per-row fields and caches that no longer match the rows; FlashAttention
-        # reads none of them.
-        is_prefilling=None,
-        req_idx=None,
-        dcp_local_seq_lens=None,
-        dcp_local_seq_lens_cpu_upper_bound=None,
-        rswa_prefix_lens=None,
-        _num_computed_tokens_cache=None,
-        _token_to_req_indices_cache=None,
-    )
-
-
-def dense_attention_unavailable() -> str | None:
-    """Why this process's platform cannot run the dense pieces (None: it can)."""
-    if not current_platform.is_cuda():
-        return "not a CUDA GPU"
-    capability = current_platform.get_device_capability()
-    if capability is None or capability.major != 9:
-        return f"compute capability {capability}, not Hopper (9.x)"
-    try:
-        from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
-    except ImportError:
-        return "vLLM's FlashAttention is not installed"
-    if not is_fa_version_supported(3):
-        return "FlashAttention 3 is not supported here"
-    return None
 
 
 @dataclass(frozen=True)
-class QuestionBlocks:
-    """The packed rows' question blocks, on the device, for the own-key pass."""
+class Pass:
+    """One kernel call over ``cu_seqlens``, on the device."""
 
-    token_index: torch.Tensor
-    """(num_question_tokens,) int64, the blocks' tokens in the batch, in order."""
-    cu_seqlens: torch.Tensor
-    """(num_questions + 1,) int32, where each block starts in ``token_index``."""
-    max_len: int
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
 
+    @classmethod
+    def of(cls, cu_q: np.ndarray, cu_k: np.ndarray, device: torch.device) -> "Pass":
+        def to_device(cu: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(cu).to(device, non_blocking=True)
 
-def question_blocks(questions: np.ndarray, device: torch.device) -> QuestionBlocks:
-    lengths = questions[:, 1] - questions[:, 0]
-    token_index = np.concatenate([np.arange(a, b) for a, b in questions])
-    cu_seqlens = np.zeros(len(questions) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu_seqlens[1:])
-    return QuestionBlocks(
-        token_index=torch.from_numpy(token_index).to(device, non_blocking=True),
-        cu_seqlens=torch.from_numpy(cu_seqlens).to(device, non_blocking=True),
-        max_len=int(lengths.max()),
-    )
+        return cls(
+            to_device(cu_q),
+            to_device(cu_k),
+            # At least 2: PyTorch's flash attention takes a bound of 1 to mean
+            # one query in every sequence and regroups the query heads so,
+            # which the sequences without queries break.
+            max(int(np.diff(cu_q).max()), 2),
+            int(np.diff(cu_k).max()),
+        )
 
 
 @dataclass
-class D3FlashAttentionMetadata(FlashAttentionMetadata):
-    questions: QuestionBlocks | None = None
-    """Set when the batch has packed rows: their question blocks, which also
-    read their own keys."""
+class D3DensePiecesMetadata:
+    """A batch's dense pieces for ``run_dense_pieces`` (no other field: the KV
+    cache writes read the forward context's slot mapping)."""
+
+    num_actual_tokens: int
+    own_keys: Pass
+    state_keys: Pass
+    question_tokens: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, pieces: DensePieces, num_tokens: int, device: torch.device
+    ) -> "D3DensePiecesMetadata":
+        own = pieces.own_cu_seqlens
+        return cls(
+            num_actual_tokens=num_tokens,
+            own_keys=Pass.of(own, own, device),
+            state_keys=Pass.of(
+                pieces.state_cu_seqlens_q, pieces.state_cu_seqlens_k, device
+            ),
+            question_tokens=torch.from_numpy(pieces.question_tokens).to(
+                device, non_blocking=True
+            ),
+        )
 
 
-class D3DenseFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
-    def build(
+def run_dense_pieces(
+    kernel: DenseKernel,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    metadata: D3DensePiecesMetadata,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """The two passes and the merge (module docstring), into ``output``."""
+    own = metadata.own_keys
+    own_lse = kernel(
+        query, key, value, own.cu_seqlens_q, own.cu_seqlens_k,
+        own.max_seqlen_q, own.max_seqlen_k, scale, output,
+    )  # fmt: skip
+    index = metadata.question_tokens
+    if not index.numel():
+        return
+    state = metadata.state_keys
+    over_state = torch.empty(
+        (index.numel(), *output.shape[1:]), dtype=output.dtype, device=output.device
+    )
+    state_lse = kernel(
+        query.index_select(0, index), key, value, state.cu_seqlens_q,
+        state.cu_seqlens_k, state.max_seqlen_q, state.max_seqlen_k, scale,
+        over_state,
+    )  # fmt: skip
+    merged = torch.empty_like(over_state)
+    merge_attn_states(
+        merged,
+        output.index_select(0, index),
+        own_lse.index_select(1, index),
+        over_state,
+        state_lse,
+    )
+    output.index_copy_(0, index, merged)
+
+
+def selected_kernel_name() -> str:
+    """The kernel the config hook chose for this engine."""
+    extra = get_current_vllm_config().additional_config
+    name = extra.get(ATTENTION_KERNEL_KEY) if isinstance(extra, dict) else None
+    if not isinstance(name, str):
+        raise RuntimeError(
+            f"the D3 dense-piece attention needs additional_config "
+            f"{ATTENTION_KERNEL_KEY}, which the D3 config hook writes"
+        )
+    return name
+
+
+class D3DensePiecesMetadataBuilder(TritonAttentionMetadataBuilder):
+    def build(  # type: ignore[override]  # dense batches get their own type
         self,
         common_prefix_len: int,
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
-    ) -> FlashAttentionMetadata:
+    ):
         if not common_attn_metadata.mm_req_doc_ranges:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         pieces = dense_pieces(common_attn_metadata)
         # DensePieceRouting sends only batches that split into pieces here.
         assert pieces is not None
-        metadata = super().build(
-            common_prefix_len,
-            dense_piece_metadata(common_attn_metadata, pieces),
-            fast_build,
-        )
-        if not len(pieces.questions):
-            return metadata
-        return D3FlashAttentionMetadata(
-            **{f.name: getattr(metadata, f.name) for f in fields(metadata)},
-            questions=question_blocks(
-                pieces.questions, common_attn_metadata.query_start_loc.device
-            ),
+        return D3DensePiecesMetadata.of(
+            pieces,
+            common_attn_metadata.num_actual_tokens,
+            common_attn_metadata.query_start_loc.device,
         )
 
 
-class D3DenseFlashAttentionImpl(FlashAttentionImpl):
-    """FlashAttention 3 over the dense pieces; for packed rows, also each
-    question block over its own keys, merged by log-sum-exp."""
+class D3DensePiecesImpl(TritonAttentionImpl):
+    """The dense pieces on the configured kernel; plain causal Triton for a
+    batch without ranges."""
 
-    def forward(  # type: ignore[override]  # FlashAttentionImpl narrows it
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dense_kernel = dense_kernel(selected_kernel_name())
+
+    def forward(  # type: ignore[override]  # dense batches get their own type
         self,
         layer: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: FlashAttentionMetadata,
+        attn_metadata,
         output: torch.Tensor,
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        questions = getattr(attn_metadata, "questions", None)
-        if questions is None:
+        if not isinstance(attn_metadata, D3DensePiecesMetadata):
             return super().forward(
-                layer,
+                layer,  # type: ignore[arg-type]
                 query,
                 key,
                 value,
@@ -334,78 +315,34 @@ class D3DenseFlashAttentionImpl(FlashAttentionImpl):
                 output_scale,
                 output_block_scale,
             )
-        self._check_packed_rows_supported(output_scale, output_block_scale)
-        # Defined only where vLLM's FlashAttention is built (not on the CPU).
-        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-
-        fa_version = self.vllm_flash_attn_version
-        assert fa_version is not None
+        self._check_supported(output_scale, output_block_scale)
         num_tokens = attn_metadata.num_actual_tokens
-        # The cache holds one page per block: (blocks, kv heads, block size,
-        # key and value side by side); FlashAttention reads (blocks, block
-        # size, kv heads, head size) views of each half.
-        key_cache, value_cache = kv_cache.transpose(1, 2).chunk(2, dim=-1)
-        # Every piece over the paged keys: the state pieces and all question
-        # rows over the state, with the log-sum-exp of each query.
-        _, paged_lse = flash_attn_varlen_func(
-            q=query[:num_tokens],
-            k=key_cache,
-            v=value_cache,
-            out=output[:num_tokens],
-            cu_seqlens_q=attn_metadata.query_start_loc,
-            max_seqlen_q=attn_metadata.max_query_len,
-            seqused_k=attn_metadata.seq_lens,
-            max_seqlen_k=attn_metadata.max_seq_len,
-            softmax_scale=self.scale,
-            causal=False,
-            block_table=attn_metadata.block_table,
-            scheduler_metadata=attn_metadata.scheduler_metadata,
-            num_splits=attn_metadata.max_num_splits,
-            return_softmax_lse=True,
-            fa_version=fa_version,
+        run_dense_pieces(
+            self.dense_kernel,
+            query[:num_tokens],
+            key[:num_tokens],
+            value[:num_tokens],
+            attn_metadata,
+            self.scale,
+            output[:num_tokens],
         )
-        # Each question block over its own keys: this step's fresh keys.
-        index = questions.token_index
-        own_output, own_lse = flash_attn_varlen_func(
-            q=query.index_select(0, index),
-            k=key.index_select(0, index),
-            v=value.index_select(0, index),
-            cu_seqlens_q=questions.cu_seqlens,
-            max_seqlen_q=questions.max_len,
-            cu_seqlens_k=questions.cu_seqlens,
-            max_seqlen_k=questions.max_len,
-            softmax_scale=self.scale,
-            causal=False,
-            return_softmax_lse=True,
-            fa_version=fa_version,
-        )
-        merged = torch.empty_like(own_output)
-        merge_attn_states(
-            merged,
-            output.index_select(0, index),
-            paged_lse.index_select(1, index).contiguous(),
-            own_output,
-            own_lse,
-        )
-        output.index_copy_(0, index, merged)
         return output
 
-    def _check_packed_rows_supported(
+    def _check_supported(
         self, output_scale: torch.Tensor | None, output_block_scale: torch.Tensor | None
     ) -> None:
-        """Packed rows run only the plain attention of D3's backbone: bf16/fp16
-        KV, no sinks, windows, ALiBi, soft cap, context parallelism or fused
-        output quantization."""
+        """The dense pieces run only the plain attention of D3's backbone:
+        bf16/fp16 KV, no sinks, windows, ALiBi, soft cap or fused output
+        quantization."""
         unsupported = [
             name
             for name, present in (
                 ("a quantized KV cache", is_quantized_kv_cache(self.kv_cache_dtype)),
                 ("attention sinks", self.sinks is not None),
-                # FlashAttentionImpl keeps (-1, -1) for "no window".
-                ("a sliding window", self.sliding_window not in (None, (-1, -1))),
+                # TritonAttentionImpl keeps (-1, -1) for "no window".
+                ("a sliding window", self.sliding_window != (-1, -1)),
                 ("ALiBi", self.alibi_slopes is not None),
                 ("a logit soft cap", bool(self.logits_soft_cap)),
-                ("decode context parallelism", self.dcp_world_size > 1),
                 (
                     "fused output quantization",
                     output_scale is not None or output_block_scale is not None,
@@ -415,76 +352,30 @@ class D3DenseFlashAttentionImpl(FlashAttentionImpl):
         ]
         if unsupported:
             raise PackedRowError(
-                "a packed D3 request (the state read once for several questions) "
-                f"cannot run with {', '.join(unsupported)}; serve "
-                "with one request per question instead (docs/README: the state-"
-                "once switch)"
+                "the D3 dense-piece attention cannot run with "
+                f"{', '.join(unsupported)}; serve with --attention-backend "
+                "TRITON_FLASH_ATTN (vLLM's ranged attention, one request per "
+                "question) instead"
             )
 
 
-class D3DenseFlashAttentionBackend(FlashAttentionBackend):
-    """FlashAttention 3 on Hopper, over dense pieces."""
-
-    @classmethod
-    def get_supported_kernel_block_sizes(
-        cls, kv_cache_spec: KVCacheSpec | None = None
-    ) -> list[int | MultipleOf]:
-        # Whole key tiles per page: FlashAttention 3 reads keys in tiles of 80
-        # tokens at head_dim 256, and pages of a multiple of 80 (d3-turbo's
-        # hybrid cache: 800 instead of 784 tokens) ran 8-11% faster on the H200
-        # (docs/performance.md). vLLM sizes the hybrid block from this.
-        return [MultipleOf(KEY_TILE_TOKENS)]
+class D3DensePiecesBackend(TritonAttentionBackend):
+    """The dense pieces on the configured kernel, beside vLLM's Triton cache
+    layout (the ranged child's)."""
 
     @staticmethod
-    def get_builder_cls() -> type[D3DenseFlashAttentionMetadataBuilder]:
-        return D3DenseFlashAttentionMetadataBuilder
+    def get_builder_cls() -> type[D3DensePiecesMetadataBuilder]:  # type: ignore[override]
+        return D3DensePiecesMetadataBuilder
 
     @staticmethod
-    def get_impl_cls() -> type[D3DenseFlashAttentionImpl]:
-        return D3DenseFlashAttentionImpl
-
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        return capability.major == 9 and super().supports_compute_capability(capability)
-
-    @classmethod
-    def supports_combination(
-        cls,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: CacheDType | None,
-        block_size: int | None,
-        use_mla: bool,
-        has_sink: bool,
-        use_sparse: bool,
-        use_mm_prefix: bool,
-        device_capability: DeviceCapability,
-    ) -> str | None:
-        reason = super().supports_combination(
-            head_size,
-            dtype,
-            kv_cache_dtype,
-            block_size,
-            use_mla,
-            has_sink,
-            use_sparse,
-            use_mm_prefix,
-            device_capability,
-        )
-        if reason is not None:
-            return reason
-        version = get_flash_attn_version(
-            head_size=head_size, has_sinks=has_sink, kv_cache_block_size=block_size
-        )
-        if version != 3:
-            return f"dense pieces need FlashAttention 3, not {version}"
-        return None
+    def get_impl_cls() -> type[D3DensePiecesImpl]:  # type: ignore[override]
+        return D3DensePiecesImpl
 
 
 class DensePieceRouting(MMPrefixAttentionRouting):
-    """Dense pieces on FlashAttention (variant 1) whenever the batch splits into
-    them or has no ranges; ranged Triton (variant 0) otherwise. (The builder
-    splits the batch again: one pass over the rows, once per step and group.)"""
+    """Dense pieces (variant 1) whenever the batch splits into them or has no
+    ranges; ranged Triton (variant 0) otherwise. (The builder splits the batch
+    again: one pass over the rows, once per step and group.)"""
 
     def select(self, metadata: CommonAttentionMetadata) -> int:
         if not metadata.mm_req_doc_ranges or dense_pieces(metadata) is not None:
@@ -504,9 +395,106 @@ class DensePieceRouting(MMPrefixAttentionRouting):
 
 D3PrefixBidirAttentionBackend = create_composite_attention_backend(
     TritonAttentionBackend,
-    D3DenseFlashAttentionBackend,
+    D3DensePiecesBackend,
     name="D3PrefixBidirAttentionBackend",
     backend_name=REGISTRY_MEMBER,
     module=__name__,
     routing_policy=DensePieceRouting,
 )
+
+#: Rows of a step: (state tokens, where each question block ends), the last
+#: end being the prompt's length.
+StepRows = tuple[tuple[int, tuple[int, ...]], ...]
+#: The start-up check's batches: a packed row, a prompt that is all state and
+#: one question that spans several key tiles; then rows of one question token
+#: each (the state pass's query bound would then be 1, ``Pass``).
+CHECK_BATCHES: tuple[StepRows, ...] = (
+    ((100, (140, 153, 230)), (37, (37,)), (200, (470,))),
+    ((30, (31,)), (7, (8,))),
+)
+
+
+def question_blocks(s: int, ends: tuple[int, ...]) -> list[tuple[int, int]]:
+    """A row's question blocks, ``[start, end)`` (none: all state)."""
+    return [(a, b) for a, b in zip((s, *ends[:-1]), ends, strict=True) if a < b]
+
+
+def step_metadata(rows: StepRows, device: torch.device) -> CommonAttentionMetadata:
+    """One step that computes each of ``rows`` whole, with its ranges, as the
+    prefix_bidir model state describes it to the attention builders."""
+    lengths = [ends[-1] for _, ends in rows]
+    starts = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=starts.to(device),
+        query_start_loc_cpu=starts,
+        seq_lens=seq_lens.to(device),
+        seq_lens_cpu_upper_bound=seq_lens,
+        num_reqs=len(rows),
+        num_actual_tokens=int(starts[-1]),
+        max_query_len=max(lengths),
+        max_seq_len=max(lengths),
+        block_table_tensor=torch.zeros((len(rows), 1), dtype=torch.int32),
+        slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64),
+        mm_req_doc_ranges={
+            row: [(0, s - 1)] + [(a, b - 1) for a, b in question_blocks(s, ends)]
+            for row, (s, ends) in enumerate(rows)
+        },
+    )
+
+
+def check_dense_kernel(name: str, seed: int = 0) -> str | None:
+    """Run kernel ``name`` through ``run_dense_pieces`` on ``CHECK_BATCHES`` at
+    d3-turbo's head shape, on this process's GPU, against a float32 attention
+    with the mask written out; what is wrong, or None."""
+    for rows in CHECK_BATCHES:
+        if (error := _check_batch(name, rows, seed)) is not None:
+            return f"{error} ({len(rows)} rows, {rows})"
+    return None
+
+
+def _check_batch(name: str, rows: StepRows, seed: int) -> str | None:
+    device = torch.device("cuda")
+    heads, kv_heads, head_size = 24, 4, 256
+    generator = torch.Generator(device).manual_seed(seed)
+    common = step_metadata(rows, device)
+    tokens = common.num_actual_tokens
+
+    def draw(num_heads: int) -> torch.Tensor:
+        shape = (tokens, num_heads, head_size)
+        return torch.randn(shape, generator=generator, device=device).bfloat16()
+
+    query, key, value = draw(heads), draw(kv_heads), draw(kv_heads)
+    pieces = dense_pieces(common)
+    assert pieces is not None
+    output = torch.empty_like(query)
+    scale = head_size**-0.5
+    run_dense_pieces(
+        dense_kernel(name),
+        query,
+        key,
+        value,
+        D3DensePiecesMetadata.of(pieces, tokens, device),
+        scale,
+        output,
+    )
+    # The mask from its definition: a state query sees the state, a question
+    # query the state and its own block.
+    visible = torch.zeros(tokens, tokens, dtype=torch.bool, device=device)
+    for row, (s, ends) in enumerate(rows):
+        first = int(common.query_start_loc_cpu[row])
+        visible[first : first + ends[-1], first : first + s] = True
+        for a, b in question_blocks(s, ends):
+            visible[first + a : first + b, first + a : first + b] = True
+    group = heads // kv_heads
+    scores = torch.einsum(
+        "qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)
+    )
+    scores = (scores * scale).masked_fill(~visible, float("-inf"))
+    expected = torch.einsum(
+        "hqk,khd->qhd", scores.softmax(-1), value.float().repeat_interleave(group, 1)
+    )
+    error = (output.float() - expected).abs().max().item()
+    if not error <= CHECK_TOLERANCE:  # also catches NaN
+        return f"max |error| {error:.3g} against the float32 reference"
+    return None

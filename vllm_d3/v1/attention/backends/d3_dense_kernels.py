@@ -1,0 +1,220 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The kernels that run D3's dense attention pieces, and which one a GPU gets
+(upstream: ``v1/attention/backends/d3_dense_kernels.py``, a new file beside
+``d3_prefix_bidir.py``).
+
+Every kernel is a ``DenseKernel``: non-causal variable-length attention of each
+sequence's queries to all its keys, over contiguous query and key tensors with
+their own ``cu_seqlens``, writing ``out`` and returning the log-sum-exp
+``(num_heads, total_q)`` float32 (what the own-key merge needs):
+
+- ``fa3``: vLLM's FlashAttention 3 (Hopper);
+- ``fa2``: vLLM's FlashAttention 2 (CUDA, compute capability 8.0 and up);
+- ``torch_flash``: PyTorch's flash attention (CUDA 8.0 and up; on ROCm PyTorch
+  builds it from AOTriton);
+- ``triton``: this package's Triton kernel (``ops/dense_piece_attention.py``),
+  wherever Triton runs.
+
+``platform_kernels()`` gives the platform's family and the kernels it would use,
+best first, among those present (``DEFAULT_KERNELS``). Only Hopper has run them
+here (``VALIDATED_FAMILY``); on any other GPU the config hook first has
+``check_kernels`` run each candidate on a small prefix_bidir batch, packed rows
+included, against a float32 masked attention, in a process of its own (the
+front end does not touch the GPU):
+
+    python -m vllm_d3.v1.attention.backends.d3_dense_kernels KERNEL...
+
+prints the first kernel that passes (or nothing) and why each before it failed.
+"""
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+
+import torch
+from vllm.platforms import current_platform
+
+#: (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, out)
+#: -> log-sum-exp; the module docstring says what it computes.
+DenseKernel = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        int,
+        int,
+        float,
+        torch.Tensor,
+    ],
+    torch.Tensor,
+]
+#: Kernels per platform family, best first (the first one present serves).
+DEFAULT_KERNELS = {
+    "Hopper": ("fa3", "triton"),
+    "Blackwell": ("fa2", "triton"),
+    "Ampere/Ada": ("fa2", "triton"),
+    "ROCm": ("torch_flash", "triton"),
+    "another CUDA GPU": ("triton",),
+}
+KERNEL_NAMES = ("fa3", "fa2", "torch_flash", "triton")
+#: The family every kernel was validated on, end to end, with this package.
+VALIDATED_FAMILY = "Hopper"
+#: How long a start-up check may take (Triton compiles its kernel in it).
+CHECK_TIMEOUT_S = 300
+#: The check's bound on |dense - float32 masked attention| (bf16 outputs).
+CHECK_TOLERANCE = 2e-2
+
+
+def platform_family() -> str | None:
+    """This process's GPU family (``DEFAULT_KERNELS``), or None without one."""
+    if current_platform.is_rocm():
+        return "ROCm"
+    if not current_platform.is_cuda():
+        return None
+    capability = current_platform.get_device_capability()
+    major = capability.major if capability is not None else 0
+    if major >= 10:
+        return "Blackwell"
+    return {9: "Hopper", 8: "Ampere/Ada"}.get(major, "another CUDA GPU")
+
+
+def _flash_attention_unavailable(version: int) -> str | None:
+    """Why vLLM's FlashAttention ``version`` (2 or 3) cannot run here."""
+    if not current_platform.is_cuda():
+        return "vLLM's FlashAttention runs on CUDA GPUs"
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as fa
+    except ImportError:
+        return "vLLM's FlashAttention is not installed"
+    if version == 3:
+        if not fa.FA3_AVAILABLE:
+            return f"FlashAttention 3 is unavailable: {fa.FA3_UNAVAILABLE_REASON}"
+        if not current_platform.is_device_capability_family(90):
+            return "FlashAttention 3 runs on Hopper (compute capability 9.x)"
+        return None
+    if not fa.FA2_AVAILABLE:
+        return f"FlashAttention 2 is unavailable: {fa.FA2_UNAVAILABLE_REASON}"
+    if not current_platform.has_device_capability(80):
+        return "FlashAttention 2 needs compute capability 8.0"
+    return None
+
+
+def kernel_unavailable(name: str) -> str | None:
+    """Why kernel ``name`` cannot run in this process (None: it can)."""
+    if platform_family() is None:
+        return "not a CUDA or ROCm GPU"
+    if name in ("fa3", "fa2"):
+        return _flash_attention_unavailable(int(name[-1]))
+    if name == "torch_flash":
+        if current_platform.is_cuda() and not current_platform.has_device_capability(
+            80
+        ):
+            return "PyTorch's flash attention needs compute capability 8.0"
+        if not torch.backends.cuda.is_flash_attention_available():
+            return "this PyTorch build has no flash attention"
+        return None
+    from vllm import triton_utils
+
+    return None if triton_utils.HAS_TRITON else "Triton is not available"
+
+
+def platform_kernels() -> tuple[str | None, list[str], str | None]:
+    """(family, the kernels present for it best first, why none is, if so)."""
+    family = platform_family()
+    if family is None:
+        return None, [], "not a CUDA or ROCm GPU"
+    present = [k for k in DEFAULT_KERNELS[family] if kernel_unavailable(k) is None]
+    reasons = "; ".join(
+        f"{k}: {kernel_unavailable(k)}" for k in DEFAULT_KERNELS[family]
+    )
+    return family, present, None if present else reasons
+
+
+def _vllm_flash_attention(version: int) -> DenseKernel:
+    def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, out):
+        # Defined only where vLLM's FlashAttention is built.
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+        _, lse = flash_attn_varlen_func(
+            q=q, k=k, v=v, out=out,
+            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_k,
+            softmax_scale=scale, causal=False, return_softmax_lse=True,
+            fa_version=version,
+        )  # fmt: skip
+        return lse
+
+    return run
+
+
+def _torch_flash_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, out
+):
+    result, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        0.0, False, False, scale=scale,
+    )  # fmt: skip
+    out.copy_(result)
+    return lse
+
+
+def _triton_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, out
+):
+    from vllm_d3.v1.attention.ops.dense_piece_attention import dense_piece_attention
+
+    return dense_piece_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, out
+    )
+
+
+def dense_kernel(name: str) -> DenseKernel:
+    """The kernel called ``name`` (``KERNEL_NAMES``)."""
+    kernels: dict[str, DenseKernel] = {
+        "fa3": _vllm_flash_attention(3),
+        "fa2": _vllm_flash_attention(2),
+        "torch_flash": _torch_flash_attention,
+        "triton": _triton_attention,
+    }
+    return kernels[name]
+
+
+def check_kernels(names: list[str]) -> tuple[str | None, list[str]]:
+    """The first of ``names`` whose check passes on this machine's GPU, and why
+    each one before it failed (module docstring); None if none passes."""
+    command = [sys.executable, "-m", __name__, *names]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return None, [f"the check took more than {CHECK_TIMEOUT_S} s"]
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, [f"the check process failed ({tail})"]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["passed"], result["failures"]
+
+
+def _check_in_this_process(names: list[str]) -> tuple[str | None, list[str]]:
+    from vllm_d3.v1.attention.backends.d3_prefix_bidir import check_dense_kernel
+
+    failures: list[str] = []
+    for name in names:
+        try:
+            error = check_dense_kernel(name)
+        except Exception as e:  # any failure of an unverified kernel is a no
+            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+        if error is None:
+            return name, failures
+        failures.append(f"{name}: {error}")
+    return None, failures
+
+
+if __name__ == "__main__":
+    passed, failures = _check_in_this_process(sys.argv[1:])
+    print(json.dumps({"passed": passed, "failures": failures}))
