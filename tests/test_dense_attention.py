@@ -514,7 +514,19 @@ def test_the_switch_forces_a_kernel(make_checkpoint, hopper, hook_log, kernel):
     )
     assert config.additional_config["d3_attention_kernel"] == kernel
     assert config.attention_config.backend_per_kind == {"full_attention": MEMBER}
-    assert f"pieces on {kernel} (d3_attention_kernel chose it" in "\n".join(hook_log)
+    chose = "(--additional-config d3_attention_kernel chose it"
+    assert f"pieces on {kernel} {chose}" in "\n".join(hook_log)
+
+
+def test_a_flash_attention_version_chooses_its_kernel(
+    make_checkpoint, hopper, hook_log
+):
+    config = engine_config(
+        make_checkpoint(weights=False), attention_config={"flash_attn_version": 2}
+    )
+    assert config.additional_config["d3_attention_kernel"] == "fa2"
+    chose = "(--attention-config flash_attn_version chose it"
+    assert f"pieces on fa2 {chose}" in "\n".join(hook_log)
 
 
 def test_the_switch_forces_the_ranged_path(make_checkpoint, hopper, hook_log):

@@ -3,32 +3,15 @@
 """What a D3 prefix_bidir checkpoint is served with, decided once by the config
 hook (upstream: ``model_executor/models/d3_serving.py``, a new file).
 
-``select_prefix_bidir_serving(vllm_config)``, which
-``D3ForSequenceClassificationConfig.verify_and_update_config`` calls, writes
-its decisions into the config, so that every process (front end, engine,
-workers) agrees, and logs each with the reason:
-
-- the full-attention layers run the dense-piece backend
-  (``v1/attention/backends/d3_prefix_bidir.py``, the ``AttentionBackendEnum``
-  member it names) through ``attention_config.backend_per_kind`` when the user
-  chose no attention backend, the KV cache is bf16/fp16, context parallelism is
-  off and a dense-piece kernel runs here: the one ``--additional-config
-  d3_attention_kernel`` forces, else the platform's default
-  (``d3_dense_kernels.DEFAULT_KERNELS``), run first on a small batch against a
-  float32 reference on any GPU but Hopper, where they were validated. The
-  kernel's name goes into ``additional_config["d3_attention_kernel"]``
-  (``ranged`` where vLLM's own selection, ranged attention, stays). A forced
-  kernel that cannot run stops start-up;
-- where the dense pieces serve, /v1/systemone reads each request's state once
-  (``additional_config["d3_state_once"]``, true) unless the user set it false;
-- the Gated DeltaNet prefill kernel is Triton/FLA (the validated one) unless
-  ``--gdn-prefill-backend`` chose another, which is logged as unvalidated for
-  the state-once path;
-- the engine processes' CUDA caching allocator gets expandable segments
-  (``PYTORCH_CUDA_ALLOC_CONF``, which the processes started after the config
-  inherit) unless the user's allocator settings name them or a KV connector is
-  configured (vLLM refuses the two together).
-
+``select_prefix_bidir_serving(vllm_config)`` writes each decision into the
+config, so that every process agrees, and logs it with its reason: the
+full-attention layers on the dense-piece backend and its kernel
+(``additional_config["d3_attention_kernel"]``: forced by the user, else the
+GPU's first that runs, checked at start-up off Hopper; ``ranged`` where vLLM's
+own selection stays); whether /v1/systemone reads each state once
+(``d3_state_once``, only on the dense pieces); the Gated DeltaNet prefill on
+Triton/FLA unless chosen; expandable segments for the engine's CUDA caching
+allocator unless the user's settings name them or a KV connector is on.
 Other checkpoints are left as they are.
 """
 
@@ -102,6 +85,8 @@ def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -
     attention = vllm_config.attention_config
     extra = _additional_config(vllm_config)
     forced = attention_kernel_of(extra, d3_dense_kernels.KERNEL_NAMES)
+    # Who chose the kernel, in the log and in an error.
+    chooser = f"--additional-config {ATTENTION_KERNEL_KEY}"
     kind = KVCacheSpecKind.FULL_ATTENTION.value
     chosen = attention.backend_per_kind.get(kind, attention.backend)
     kernel: str | None = None
@@ -121,11 +106,11 @@ def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -
     else:
         if forced == AUTO_KERNEL and attention.flash_attn_version is not None:
             forced = f"fa{attention.flash_attn_version}"
-        kernel, reason = _choose_kernel(forced)
+            chooser = "--attention-config flash_attn_version"
+        kernel, reason = _choose_kernel(forced, chooser)
     if kernel is None and forced not in (AUTO_KERNEL, RANGED_KERNEL):
         raise ValueError(
-            f"--additional-config {ATTENTION_KERNEL_KEY} {forced!r} cannot serve "
-            f"the D3 prefix_bidir attention: {reason}"
+            f"{chooser} {forced!r} cannot serve the D3 prefix_bidir attention: {reason}"
         )
     extra[ATTENTION_KERNEL_KEY] = kernel or RANGED_KERNEL
     if kernel is None:
@@ -152,7 +137,7 @@ def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -
     return True
 
 
-def _choose_kernel(forced: str) -> tuple[str | None, str]:
+def _choose_kernel(forced: str, chooser: str) -> tuple[str | None, str]:
     """The dense-piece kernel for this GPU (``forced``, or the platform's first
     one present, checked at start-up where it was not validated), with why."""
     from vllm_d3.v1.attention.backends import d3_dense_kernels as kernels
@@ -166,7 +151,7 @@ def _choose_kernel(forced: str) -> tuple[str | None, str]:
         why_not = kernels.kernel_unavailable(forced)
         if why_not is not None:
             return None, f"{why_not} (present on this {family} GPU: {present})"
-        candidates, how = [forced], f"{ATTENTION_KERNEL_KEY} chose it"
+        candidates, how = [forced], f"{chooser} chose it"
     if family == kernels.VALIDATED_FAMILY:
         return candidates[0], f"{how}, validated on {family}"
     passed, failures = kernels.check_kernels(candidates)

@@ -1,31 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The kernels that run D3's dense attention pieces, and which one a GPU gets
-(upstream: ``v1/attention/backends/d3_dense_kernels.py``, a new file beside
-``d3_prefix_bidir.py``).
+(upstream: ``v1/attention/backends/d3_dense_kernels.py``, a new file).
 
-Every kernel is a ``DenseKernel``: non-causal variable-length attention of each
-sequence's queries to all its keys, over contiguous query and key tensors with
-their own ``cu_seqlens``, writing ``out`` and returning the log-sum-exp
-``(num_heads, total_q)`` float32 (what the own-key merge needs):
-
-- ``fa3``: vLLM's FlashAttention 3 (Hopper);
-- ``fa2``: vLLM's FlashAttention 2 (CUDA, compute capability 8.0 and up);
-- ``torch_flash``: PyTorch's flash attention (CUDA 8.0 and up; on ROCm PyTorch
-  builds it from AOTriton);
-- ``triton``: this package's Triton kernel (``ops/dense_piece_attention.py``),
-  wherever Triton runs.
-
-``platform_kernels()`` gives the platform's family and the kernels it would use,
-best first, among those present (``DEFAULT_KERNELS``). Only Hopper has run them
-here (``VALIDATED_FAMILY``); on any other GPU the config hook first has
-``check_kernels`` run each candidate on a small prefix_bidir batch, packed rows
-included, against a float32 masked attention, in a process of its own (the
-front end does not touch the GPU):
-
-    python -m vllm_d3.v1.attention.backends.d3_dense_kernels KERNEL...
-
-prints the first kernel that passes (or nothing) and why each before it failed.
+A ``DenseKernel`` attends each sequence's queries to all its keys, over
+contiguous tensors with their own ``cu_seqlens``, writes ``out`` and returns
+the log-sum-exp ``(heads, total_q)``: ``fa3`` and ``fa2`` (vLLM's
+FlashAttention), ``torch_flash`` (PyTorch's; AOTriton on ROCm) and ``triton``
+(``ops/dense_piece_attention.py``). ``platform_kernels`` lists a GPU family's
+candidates present (``DEFAULT_KERNELS``); off ``VALIDATED_FAMILY`` the config
+hook has ``check_kernels`` run them first, in a process of its own
+(``python -m vllm_d3.v1.attention.backends.d3_dense_kernels KERNEL...`` prints
+the first that passes and why the others failed).
 """
 
 import json

@@ -1,46 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Dense-piece attention for D3 prefix_bidir checkpoints
-(upstream: ``v1/attention/backends/d3_prefix_bidir.py``, a new file beside
-``triton_flash_attn.py``).
+(upstream: ``v1/attention/backends/d3_prefix_bidir.py``, a new file).
 
-A prefix_bidir row carries its ranges in ``mm_req_doc_ranges``: the state
-``[0, s)`` first, then one range per question block, tiling the row (one block
-for a prompt ``state || question``, several for a packed row ``state || q1 ||
-... || qQ``, the state read once). Every question reads the state and itself
-both ways; the state reads itself.
-
-prefix_bidir refuses chunked prefill and prefix caching, so a ranged row is
-computed whole in one step and every key it reads is among the step's own keys
-and values. Its mask is then two passes of plain non-causal attention over
-those contiguous tensors, merged by log-sum-exp:
-
-- own keys: every range over itself (the state over the state, each question
-  block over its block), one sequence per range;
-- state keys: each row's question rows (gathered) over its state, one sequence
-  per row, then one with no queries that steps over the row's question keys;
-- each question row's two results merged (vLLM's ``merge_attn_states``).
-
-Any variable-length non-causal kernel that returns its log-sum-exp runs them
-(``d3_dense_kernels``: FlashAttention 3 or 2, PyTorch's flash attention, this
-package's Triton kernel); the config hook picks one per platform and writes its
-name into ``additional_config[ATTENTION_KERNEL_KEY]``.
-
-- ``dense_pieces`` turns a batch (``CommonAttentionMetadata`` with
-  ``mm_req_doc_ranges``) into the two passes' ``cu_seqlens``, or returns None
-  when it cannot: a ranged row not whole in this step, ranges that do not tile
-  the row, or a row without ranges (plain causal attention).
-- ``D3PrefixBidirAttentionBackend`` is a composite (0.33.0's
-  ``create_composite_attention_backend``) of vLLM's ranged Triton backend and a
-  Triton backend whose builder and impl run the dense pieces.
-  ``DensePieceRouting`` sends a batch to the dense child when ``dense_pieces``
-  can express it (or it has no ranges: plain causal Triton there) and to ranged
-  Triton otherwise, logging the first such fallback. A batch with a packed row
-  that does not split into pieces is refused (``PackedRowError``): no kernel
-  here computes its mask.
-- ``check_dense_kernel`` runs a kernel through the same pieces and merge on a
-  small batch against a float32 masked attention: the start-up check of a
-  kernel on a GPU it was not validated on.
+A prefix_bidir row's ranges (``mm_req_doc_ranges``) are its state, then one
+block per question; with chunked prefill and prefix caching refused, a row is
+computed whole in one step, so its mask is two passes of non-causal attention
+over the step's own keys: every range over itself, and each row's question
+rows over its state, merged by log-sum-exp. ``dense_pieces`` finds the passes
+(None where a batch has none: a row split across steps, a causal row), the
+composite ``D3PrefixBidirAttentionBackend`` runs them on the kernel the config
+hook chose (``d3_dense_kernels``) and anything else on vLLM's ranged Triton;
+a packed row there is refused (``PackedRowError``). ``check_dense_kernel`` is
+a kernel's start-up check against a float32 masked attention.
 """
 
 from dataclasses import dataclass
