@@ -1,42 +1,17 @@
-"""The only three monkeypatches of vllm-d3; ``apply`` is idempotent. The first two
-are no-ops unless the served model is a D3 ``prefix_bidir`` checkpoint.
+"""The plugin's three patches of vLLM functions; ``apply`` is idempotent. The
+first two are no-ops unless the served model is a D3 ``prefix_bidir``
+checkpoint. (Each Gated DeltaNet layer's ``_forward_core`` is also replaced, on
+its instance: ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``.)
 
-1. ``PoolingIOProcessor.create_pooling_params``
-   (vLLM 0.33.0 ``entrypoints/pooling/base/io_processor.py:77-78``): the online
-   pooling endpoints (``/classify``, ``/pooling``) build ``PoolingParams`` from a
-   request's typed fields only. The wrapper passes them through
-   ``with_state_tokens`` (``entrypoints/pooling/d3_state_tokens.py``), which
-   carries the request field ``d3_state_tokens`` into ``extra_kwargs``; for a
-   list it returns one params per input, which vLLM's pooling serving takes as
-   a sequence (``base/io_processor.py:307-321``) and verifies through its
-   ``verify`` (``base/serving.py:157-159`` calls ``verify`` on whatever this
-   returned). Upstream this is one call in ``create_pooling_params``
-   (``vllm-d3 export-patches``); no hook reaches it.
-2. ``InputProcessor.process_inputs``
-   (vLLM 0.33.0 ``v1/engine/input_processor.py:373``, where ``_validate_params``
-   at ``:138-253`` never reads ``extra_kwargs``): every request of every entry point
-   (``LLM.classify``, ``/classify``, ``/pooling``, ``/v1/systemone``) passes here
-   with its final prompt. The wrapper checks it with ``check_state_blocks``
-   (``entrypoints/pooling/d3_state_tokens.py``): a prefix_bidir request whose
-   ``d3_state_tokens`` or ``d3_question_ends`` is missing or invalid is a
-   ``VLLMValidationError`` (a 400 online) naming the field, so no request ever
-   runs with a silent single block and a bad request never reaches the engine
-   core.
-3. ``init_entrypoints_middleware`` as ``entrypoints/launchers/app.py`` names it
-   (vLLM 0.33.0 ``:10`` imports it; ``build_app`` calls it by that module-level
-   name at ``:54``, after the API server loaded the plugins:
-   ``launchers/api_server/entry.py:52`` builds ``AsyncEngineArgs``, whose
-   ``__post_init__`` loads them, ``engine/arg_utils.py:931``). ``/v1/systemone``
-   (``generate/structured_decisions/api_router.py:33-56``) reads its body as a
-   pydantic parameter behind ``Depends(validate_json_request)``
-   (``serve/utils/api_utils.py:309-315``), which refuses every content type but
-   ``application/json``; a compressed body fails to parse. The wrapper adds
-   ``SystemOneBodyMiddleware`` (``entrypoints/serve/middleware/systemone_body.py``),
-   which hands the route plain JSON, ahead of vLLM's own middleware, so that
-   those (CORS, the API key) wrap it. ``--middleware`` is a CLI option
-   (``serve/middleware/register.py:65``), not a plugin hook, and
-   ``vllm.endpoint_plugins`` load only when named in ``VLLM_PLUGINS``
-   (``plugins/__init__.py:122-131``).
+1. ``PoolingIOProcessor.create_pooling_params``: ``/classify`` and ``/pooling``
+   carry the request field ``d3_state_tokens`` into ``extra_kwargs``
+   (``with_state_tokens``; one params per input for a list).
+2. ``InputProcessor.process_inputs``: every request of every entry point is
+   checked with its final prompt (``check_state_blocks``): a missing or invalid
+   ``d3_state_tokens`` or ``d3_question_ends`` is a 400 naming the field.
+3. ``init_entrypoints_middleware`` as ``entrypoints/launchers/app.py`` names it:
+   ``SystemOneBodyMiddleware`` goes ahead of vLLM's own middleware, so that
+   /v1/systemone gets plain JSON. docs/upstream.md says why no hook reaches them.
 """
 
 from argparse import Namespace

@@ -3,47 +3,17 @@
 """Gated DeltaNet for packed D3 requests: every question restarts from the state
 (upstream: ``model_executor/layers/mamba/gdn/packed_questions.py``, a new file).
 
-A packed request is ``state[0, s) || q1 || ... || qQ``: the state is read once and
-each question block must see the recurrent and convolution state the layer had
-after exactly ``s`` tokens, as in its own prompt ``state || qi``. One causal scan
-over the packed row would instead run question ``i`` on from question ``i - 1``.
-
-``step_phases`` and ``packed_gdn_metadata`` build, with the step's own GDN
-metadata builders, the two phases of a step that holds packed rows:
-
-- phase A: every token except the packed rows' question blocks (other requests
-  whole, each packed row's state), as 0.33.0 would scan them; each packed row's
-  slot then holds its state at ``s``;
-- phase B: each question block as its own sequence, with an initial state
-  (``seq_len = s + q_i``), in scratch state slot ``1 + i``, which stands for its
-  row's slot (slot 0 is vLLM's null block, which the kernels skip). The
-  questions are scanned ``QUESTIONS_PER_SCAN`` at a time, so that a step's
-  state copies stay bounded however many questions it holds.
-
-``forward_packed_questions(layer, forward_core, ...)`` is what
-``QwenGatedDeltaNetAttention._forward_core`` runs first (in-tree, the method's
-first lines; with the plugin, ``restart_questions_from_state`` in
-``qwen_gdn_linear_attn.py``): when the step's metadata for the layer is a
-``PackedGDNAttentionMetadata``, it runs ``forward_core`` for phase A on the
-cache, then once per scan of phase B with, as the layer's ``kv_cache`` for that
-call, scratch copies of the packed rows' convolution states (one per question)
-and ``RowStates`` over the recurrent cache, and returns True.
-Otherwise it returns False and the method goes on unchanged. Phase B continues
-from an initial state the way chunked prefill does, which every GDN prefill
-backend implements; the config hook still selects the Triton/FLA backend, the
-one this path was validated on.
-
-``RowStates`` relies on how 0.33.0's ``_forward_core`` uses ``kv_cache[1]`` in
-a step of prefills alone (``qwen_gdn_linear_attn.py:1614``, ``:1816-1817``,
-``:1872``): it gathers the initial states as ``states[indices]`` and stores the
-final ones as ``states[indices] = final.to(states.dtype)``, and nothing else
-(its other uses, ``:1768``, ``:1795``, ``:1867``, ``:1890``, are the paths of
-decodes, speculative decodes and prefix-caching checkpoints, none of which a
-phase-B scan takes).
-A question's final state is read by nobody (a packed request is done after its
-step, and prefix_bidir refuses prefix caching), so ``RowStates`` drops it: the
-recurrent state is neither copied to scratch nor written back, and the rows'
-slots keep the states phase A left for every scan.
+In a packed row ``state[0, s) || q1 || ... || qQ`` each question must see the
+layer's state after exactly ``s`` tokens, as in its own prompt ``state || qi``.
+``step_phases`` and ``packed_gdn_metadata`` split such a step in two: phase A
+scans everything but the question blocks (each row's slot then holds its state
+at ``s``); phase B scans each question block as its own sequence from its row's
+state, ``QUESTIONS_PER_SCAN`` at a time, on scratch convolution states and
+``RowStates`` (which reads each question's recurrent state from its row's slot
+and drops its final state, which nothing reads). ``forward_packed_questions``
+runs both phases where the layer's metadata is a ``PackedGDNAttentionMetadata``
+and returns False otherwise; ``_forward_core`` calls it first. How it relies on
+0.33.0's ``_forward_core`` is in docs/upstream.md.
 """
 
 from collections.abc import Callable, Sequence
