@@ -583,3 +583,17 @@ def test_the_start_up_check_fails_without_a_gpu():
     passed, failures = d3_dense_kernels.check_kernels(["triton"])
     assert passed is None
     assert len(failures) == 1 and failures[0].startswith("triton: ")
+
+
+@pytest.mark.parametrize("rows", d3_prefix_bidir.CHECK_BATCHES)
+def test_the_start_up_checks_steps_are_prefix_bidir_steps(rows):
+    # The check's batches reach the passes as the model state's would: each
+    # row whole, its mask the state-once mask (all state: the state both ways).
+    common = d3_prefix_bidir.step_metadata(rows, torch.device("cpu"))
+    masks = [
+        packed_allowed(row.state_tokens, list(row.question_ends))
+        if row.question_ends
+        else torch.ones(row.prompt_len, row.prompt_len, dtype=torch.bool)
+        for row in rows
+    ]
+    assert torch.equal(step_mask(common), torch.block_diag(*masks))

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from vllm_d3.model_executor.models.d3_contract import StateBlock
 from vllm_d3.testing.gdn_kernels import ENVIRONMENT
 
 # The process of its own imports the package, not a patched tree.
@@ -26,7 +27,7 @@ import sys, torch
 from vllm_d3.v1.attention.backends.d3_dense_kernels import dense_kernel
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3DensePiecesMetadata, dense_pieces, run_dense_pieces, step_metadata)
-rows, query, key, value = torch.load(sys.argv[1])
+rows, query, key, value = torch.load(sys.argv[1], weights_only=False)
 common = step_metadata(rows, torch.device("cpu"))
 metadata = D3DensePiecesMetadata.of(
     dense_pieces(common), common.num_actual_tokens, torch.device("cpu"))
@@ -72,7 +73,8 @@ def test_triton_dense_pieces_match_the_reference(tmp_path, dtype):
         return torch.randn(tokens, heads, HEAD_SIZE, generator=generator).to(dtype)
 
     query, key, value = draw(HEADS), draw(KV_HEADS), draw(KV_HEADS)
-    torch.save((ROWS, query, key, value), tmp_path / "step.pt")
+    blocks = [StateBlock(s, ends[-1], ends if ends[-1] > s else ()) for s, ends in ROWS]
+    torch.save((blocks, query, key, value), tmp_path / "step.pt")
     subprocess.run(
         [sys.executable, "-c", RUN_STEP, tmp_path / "step.pt", tmp_path / "out.pt"],
         check=True,

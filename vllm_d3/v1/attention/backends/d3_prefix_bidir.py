@@ -15,6 +15,7 @@ a packed row there is refused (``PackedRowError``). ``check_dense_kernel`` is
 a kernel's start-up check against a float32 masked attention.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,7 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from vllm_d3.model_executor.models.d3_contract import (
     ATTENTION_KERNEL_KEY,
     PrefixRanges,
+    StateBlock,
 )
 from vllm_d3.v1.attention.backends.d3_dense_kernels import (
     CHECK_TOLERANCE,
@@ -374,27 +376,25 @@ D3PrefixBidirAttentionBackend = create_composite_attention_backend(
     routing_policy=DensePieceRouting,
 )
 
-#: Rows of a step: (state tokens, where each question block ends), the last
-#: end being the prompt's length.
-StepRows = tuple[tuple[int, tuple[int, ...]], ...]
 #: The start-up check's batches: a packed row, a prompt that is all state and
 #: one question that spans several key tiles; then rows of one question token
 #: each (the state pass's query bound would then be 1, ``Pass``).
-CHECK_BATCHES: tuple[StepRows, ...] = (
-    ((100, (140, 153, 230)), (37, (37,)), (200, (470,))),
-    ((30, (31,)), (7, (8,))),
+CHECK_BATCHES = (
+    (
+        StateBlock(100, 230, (140, 153, 230)),
+        StateBlock(37, 37, ()),
+        StateBlock(200, 470, (470,)),
+    ),
+    (StateBlock(30, 31, (31,)), StateBlock(7, 8, (8,))),
 )
 
 
-def question_blocks(s: int, ends: tuple[int, ...]) -> list[tuple[int, int]]:
-    """A row's question blocks, ``[start, end)`` (none: all state)."""
-    return [(a, b) for a, b in zip((s, *ends[:-1]), ends, strict=True) if a < b]
-
-
-def step_metadata(rows: StepRows, device: torch.device) -> CommonAttentionMetadata:
+def step_metadata(
+    rows: Sequence[StateBlock], device: torch.device
+) -> CommonAttentionMetadata:
     """One step that computes each of ``rows`` whole, with its ranges, as the
     prefix_bidir model state describes it to the attention builders."""
-    lengths = [ends[-1] for _, ends in rows]
+    lengths = [row.prompt_len for row in rows]
     starts = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     return CommonAttentionMetadata(
@@ -408,10 +408,7 @@ def step_metadata(rows: StepRows, device: torch.device) -> CommonAttentionMetada
         max_seq_len=max(lengths),
         block_table_tensor=torch.zeros((len(rows), 1), dtype=torch.int32),
         slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64),
-        mm_req_doc_ranges={
-            row: [(0, s - 1)] + [(a, b - 1) for a, b in question_blocks(s, ends)]
-            for row, (s, ends) in enumerate(rows)
-        },
+        mm_req_doc_ranges={index: row.ranges() for index, row in enumerate(rows)},
     )
 
 
@@ -425,7 +422,7 @@ def check_dense_kernel(name: str, seed: int = 0) -> str | None:
     return None
 
 
-def _check_batch(name: str, rows: StepRows, seed: int) -> str | None:
+def _check_batch(name: str, rows: Sequence[StateBlock], seed: int) -> str | None:
     device = torch.device("cuda")
     heads, kv_heads, head_size = 24, 4, 256
     generator = torch.Generator(device).manual_seed(seed)
@@ -453,10 +450,10 @@ def _check_batch(name: str, rows: StepRows, seed: int) -> str | None:
     # The mask from its definition: a state query sees the state, a question
     # query the state and its own block.
     visible = torch.zeros(tokens, tokens, dtype=torch.bool, device=device)
-    for row, (s, ends) in enumerate(rows):
-        first = int(common.query_start_loc_cpu[row])
-        visible[first : first + ends[-1], first : first + s] = True
-        for a, b in question_blocks(s, ends):
+    for index, row in enumerate(rows):
+        first = int(common.query_start_loc_cpu[index])
+        visible[first : first + row.prompt_len, first : first + row.state_tokens] = True
+        for a, b in row.question_blocks():
             visible[first + a : first + b, first + a : first + b] = True
     group = heads // kv_heads
     scores = torch.einsum(
