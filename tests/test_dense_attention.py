@@ -597,3 +597,24 @@ def test_the_start_up_checks_steps_are_prefix_bidir_steps(rows):
         for row in rows
     ]
     assert torch.equal(step_mask(common), torch.block_diag(*masks))
+
+
+def test_the_dense_impl_refuses_what_it_does_not_compute():
+    from vllm.config import set_current_vllm_config
+
+    from vllm_d3.v1.attention.backends.d3_prefix_bidir import D3DensePiecesImpl
+
+    config = VllmConfig(additional_config={"d3_attention_kernel": "triton"})
+    with set_current_vllm_config(config):
+        plain = D3DensePiecesImpl(4, 32, 32**-0.5, 2, None, None, "auto")
+        other = D3DensePiecesImpl(
+            4, 32, 32**-0.5, 2, [1.0] * 4, 128, "fp8", logits_soft_cap=30.0
+        )
+    plain._check_supported(None, None)
+    with pytest.raises(d3_prefix_bidir.PackedRowError, match="with fused output"):
+        plain._check_supported(torch.ones(1), None)
+    with pytest.raises(
+        d3_prefix_bidir.PackedRowError,
+        match="with a quantized KV cache, a sliding window, ALiBi, a logit soft cap;",
+    ):
+        other._check_supported(None, None)

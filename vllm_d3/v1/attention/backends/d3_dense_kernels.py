@@ -113,10 +113,9 @@ def platform_kernels() -> tuple[str | None, list[str], str | None]:
     family = platform_family()
     if family is None:
         return None, [], "not a CUDA or ROCm GPU"
-    present = [k for k in DEFAULT_KERNELS[family] if kernel_unavailable(k) is None]
-    reasons = "; ".join(
-        f"{k}: {kernel_unavailable(k)}" for k in DEFAULT_KERNELS[family]
-    )
+    why_not = {k: kernel_unavailable(k) for k in DEFAULT_KERNELS[family]}
+    present = [k for k, reason in why_not.items() if reason is None]
+    reasons = "; ".join(f"{k}: {reason}" for k, reason in why_not.items())
     return family, present, None if present else reasons
 
 

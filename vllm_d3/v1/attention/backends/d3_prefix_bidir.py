@@ -264,6 +264,20 @@ class D3DensePiecesImpl(TritonAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.dense_kernel = dense_kernel(selected_kernel_name())
+        # What the dense pieces do not compute, fixed with the layer: the plain
+        # attention of D3's backbone has bf16/fp16 KV and none of the rest.
+        self.unsupported = [
+            name
+            for name, present in (
+                ("a quantized KV cache", is_quantized_kv_cache(self.kv_cache_dtype)),
+                ("attention sinks", self.sinks is not None),
+                # TritonAttentionImpl keeps (-1, -1) for "no window".
+                ("a sliding window", self.sliding_window != (-1, -1)),
+                ("ALiBi", self.alibi_slopes is not None),
+                ("a logit soft cap", bool(self.logits_soft_cap)),
+            )
+            if present
+        ]
 
     def forward(  # type: ignore[override]  # dense batches get their own type
         self,
@@ -305,25 +319,11 @@ class D3DensePiecesImpl(TritonAttentionImpl):
     def _check_supported(
         self, output_scale: torch.Tensor | None, output_block_scale: torch.Tensor | None
     ) -> None:
-        """The dense pieces run only the plain attention of D3's backbone:
-        bf16/fp16 KV, no sinks, windows, ALiBi, soft cap or fused output
+        """The dense pieces run neither ``unsupported`` nor fused output
         quantization."""
-        unsupported = [
-            name
-            for name, present in (
-                ("a quantized KV cache", is_quantized_kv_cache(self.kv_cache_dtype)),
-                ("attention sinks", self.sinks is not None),
-                # TritonAttentionImpl keeps (-1, -1) for "no window".
-                ("a sliding window", self.sliding_window != (-1, -1)),
-                ("ALiBi", self.alibi_slopes is not None),
-                ("a logit soft cap", bool(self.logits_soft_cap)),
-                (
-                    "fused output quantization",
-                    output_scale is not None or output_block_scale is not None,
-                ),
-            )
-            if present
-        ]
+        unsupported = list(self.unsupported)
+        if output_scale is not None or output_block_scale is not None:
+            unsupported.append("fused output quantization")
         if unsupported:
             raise PackedRowError(
                 "the D3 dense-piece attention cannot run with "
