@@ -30,6 +30,7 @@ from benchmarks.rows import (
     select,
 )
 from benchmarks.timing import Budget, RowGate
+from vllm_d3.testing.server import merge_additional_config
 
 CUDA = torch.cuda.is_available()
 PER_QUESTION_FLAGS = ("--additional-config", '{"d3_state_once": false}')
@@ -702,3 +703,25 @@ def test_the_validation_passes_serve_args_after_its_own_flags():
         "0.15",
         "--data-parallel-size=2",
     ]
+
+
+def test_serve_flags_merge_every_additional_config():
+    # A side's d3_state_once and a forced kernel from --serve-arg both hold:
+    # vLLM itself keeps only the last --additional-config it is given.
+    flags = merge_additional_config(
+        [
+            "--max-model-len",
+            "131072",
+            "--additional-config",
+            '{"d3_state_once": false}',
+            '--additional-config={"d3_attention_kernel": "triton"}',
+        ]
+    )
+    assert flags[:2] == ["--max-model-len", "131072"]
+    assert flags[2] == "--additional-config"
+    assert json.loads(flags[3]) == {
+        "d3_state_once": False,
+        "d3_attention_kernel": "triton",
+    }
+    assert len(flags) == 4
+    assert merge_additional_config(["--enforce-eager"]) == ["--enforce-eager"]

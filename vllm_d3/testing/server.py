@@ -8,6 +8,10 @@
 - ``SERVE_FLAGS``: ``--gdn-prefill-backend triton`` (``GDN_PREFILL_BACKEND``), the
   Gated DeltaNet prefill that every vLLM install has; a vLLM install without
   FlashInfer's GDN kernels cannot start Qwen3.5 on Hopper otherwise.
+- Every ``--additional-config`` among ``flags`` (``--additional-config JSON`` or
+  ``--additional-config=JSON``) is merged into one, later keys winning
+  (``merge_additional_config``): vLLM keeps only the last one given, so a
+  side's ``d3_state_once`` and a forced ``d3_attention_kernel`` would not both hold.
 - ``post(url, body)`` -> (HTTP status, JSON body); ``served_max_model_len(url)``
   reads ``/v1/models``.
 """
@@ -24,6 +28,22 @@ from pathlib import Path
 #: The Gated DeltaNet prefill kernel every serving run here uses.
 GDN_PREFILL_BACKEND = "triton"
 SERVE_FLAGS = ["--gdn-prefill-backend", GDN_PREFILL_BACKEND]
+ADDITIONAL_CONFIG_FLAG = "--additional-config"
+
+
+def merge_additional_config(flags: list[str]) -> list[str]:
+    """``flags`` with every ``--additional-config`` merged into one at the end."""
+    merged: dict = {}
+    rest: list[str] = []
+    values = iter(flags)
+    for flag in values:
+        if flag == ADDITIONAL_CONFIG_FLAG:
+            merged.update(json.loads(next(values)))
+        elif flag.startswith(ADDITIONAL_CONFIG_FLAG + "="):
+            merged.update(json.loads(flag.split("=", 1)[1]))
+        else:
+            rest.append(flag)
+    return rest + ([ADDITIONAL_CONFIG_FLAG, json.dumps(merged)] if merged else [])
 
 
 def last_error(log_file: Path) -> str:
@@ -81,8 +101,7 @@ class Server:
             "127.0.0.1",
             "--port",
             str(self.port),
-            *SERVE_FLAGS,
-            *flags,
+            *merge_additional_config([*SERVE_FLAGS, *flags]),
         ]
         with log_file.open("w") as output:
             self.process = subprocess.Popen(
