@@ -74,6 +74,7 @@ from vllm_d3.model_executor.models.d3_contract import (
     STATE_ONCE_KEY,
 )
 from vllm_d3.testing.requests import words_per_token
+from vllm_d3.testing.server import ADDITIONAL_CONFIG_FLAG
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 
 from . import report
@@ -107,11 +108,11 @@ VLLM_SIDES = {
     "vllm": ("", []),
     "vllm_portable": (
         "-portable",
-        ["--additional-config", json.dumps({ATTENTION_KERNEL_KEY: PORTABLE_KERNEL})],
+        [ADDITIONAL_CONFIG_FLAG, json.dumps({ATTENTION_KERNEL_KEY: PORTABLE_KERNEL})],
     ),
     "vllm_per_question": (
         "-per-question",
-        ["--additional-config", json.dumps({STATE_ONCE_KEY: False})],
+        [ADDITIONAL_CONFIG_FLAG, json.dumps({STATE_ONCE_KEY: False})],
     ),
 }
 #: The token count each vLLM side's ``usage.input_tokens`` should report.

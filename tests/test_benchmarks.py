@@ -706,14 +706,14 @@ def test_the_validation_passes_serve_args_after_its_own_flags():
 
 
 def test_serve_flags_merge_every_additional_config():
-    # A side's d3_state_once and a forced kernel from --serve-arg both hold:
-    # vLLM itself keeps only the last --additional-config it is given.
+    # A side's d3_state_once and a forced kernel from --serve-arg both hold, the
+    # later kernel winning (vLLM itself keeps only the last --additional-config).
     flags = merge_additional_config(
         [
             "--max-model-len",
             "131072",
             "--additional-config",
-            '{"d3_state_once": false}',
+            '{"d3_state_once": false, "d3_attention_kernel": "fa3"}',
             '--additional-config={"d3_attention_kernel": "triton"}',
         ]
     )
