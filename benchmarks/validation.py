@@ -1,7 +1,7 @@
 """End-to-end validation of vLLM + vllm-d3 against the reference runtime (GPU).
 
 ``python -m benchmarks.validation run --out DIR [--quick] [--parallel]
-[--serve-arg=FLAG ...] [--http-only]`` builds tiny
+[--serve-arg=FLAG ...] [--http-only] [--reference-cache CACHE]`` builds tiny
 checkpoints (prefix_bidir with a vision tower, causal, noncausal_full_attention),
 the seeded request sets of ``requests.py``, and then, each served by vLLM with no
 flag beyond what a user passes (``--gdn-prefill-backend triton``, for a vLLM
@@ -42,13 +42,18 @@ own). A failure message ends with the log's last exception line. ``--dtype``
 serves in another dtype than the checkpoint's. The reference also runs on the
 GPU for the short text sets, a check that its GPU kernels agree with its CPU
 ones (the long states rely on them); ``results.json`` keeps every answer.
+``--reference-cache`` keeps the reference's answers by what they depend on, so
+that runs of other kernels or flags reuse them; ``references --work W --cache
+CACHE`` fills it ahead of a run (the CPU ones on any machine).
 """
 
 import argparse
 import base64
 import functools
+import hashlib
 import json
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -150,16 +155,51 @@ GPU_ONLY_KERNEL_PACKAGES = ("fla", "causal_conv1d")
 SELF_COMMAND = (sys.executable, "-m", "benchmarks.validation")
 
 
+def reference_key(
+    checkpoint: str, sets: dict[str, list[dict]], attention: str | None, device: str
+) -> str:
+    """What a reference answer depends on: every file of the checkpoint, the
+    requests, the mask and the device."""
+    digest = hashlib.sha256()
+    root = Path(checkpoint)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    digest.update(json.dumps([sets, attention, device], sort_keys=True).encode())
+    return digest.hexdigest()
+
+
 def reference_answers(
     checkpoint: str,
     sets: dict[str, list[dict]],
     attention: str | None,
     device: str,
+    cache: Path | None = None,
 ) -> dict[str, list[dict]]:
-    """The reference's answers to every request of ``sets``, in float32. On the
-    CPU they come from a subprocess (the ``reference`` command) that cannot import
-    ``GPU_ONLY_KERNEL_PACKAGES``, so transformers runs its PyTorch code there even
-    on a machine that has them."""
+    """The reference's answers to every request of ``sets``, in float32; with
+    ``cache``, read from there when an earlier run (on any machine) computed
+    them for the same ``reference_key``, and written there otherwise."""
+    if cache is None:
+        return _reference_answers_computed(checkpoint, sets, attention, device)
+    entry = cache / f"{reference_key(checkpoint, sets, attention, device)}.json"
+    if entry.exists():
+        log(f"reference {attention or 'checkpoint mode'} on {device}: {entry.name}")
+        return json.loads(entry.read_text())
+    answers = _reference_answers_computed(checkpoint, sets, attention, device)
+    cache.mkdir(parents=True, exist_ok=True)
+    entry.write_text(json.dumps(answers))
+    return answers
+
+
+def _reference_answers_computed(
+    checkpoint: str,
+    sets: dict[str, list[dict]],
+    attention: str | None,
+    device: str,
+) -> dict[str, list[dict]]:
+    """On the CPU the answers come from a subprocess (the ``reference``
+    command) that cannot import ``GPU_ONLY_KERNEL_PACKAGES``, so transformers
+    runs its PyTorch code there even on a machine that has them."""
     if device != "cpu":
         return _reference_answers_here(checkpoint, sets, attention, device)
     import tempfile
@@ -767,6 +807,13 @@ def report(results: dict, command: str, section: str | None = None) -> str:
         f"question (the same engine): max abs dp <= {STATE_ONCE_TOLERANCE}.",
         "",
     ]
+    if results.get("reference_cache"):
+        lines += [
+            "The reference's answers come from `--reference-cache`, each computed "
+            "by an earlier run, maybe on another machine, for the same checkpoint "
+            "files, requests, mask and device (`reference_key`).",
+            "",
+        ]
     for table, rows in results["tables"].items():
         lines += [f"{head}# {table}", "", *_table(list(rows.items()), table), ""]
     missing = [t for t in EXPECTED_TABLES if t not in results["tables"]]
@@ -836,6 +883,61 @@ def report(results: dict, command: str, section: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def split_sets(
+    sets: dict[str, list[dict]],
+) -> tuple[dict[str, list[dict]], dict[str, list[dict]], dict[str, list[dict]]]:
+    """The sets without images or videos, those of them without a long state,
+    and every set without a long state."""
+    text_sets = {
+        k: v
+        for k, v in sets.items()
+        if not any(r.get("images") or r.get("videos") for r in v)
+    }
+    short_text = {k: v for k, v in text_sets.items() if not k.startswith(LONG_SETS)}
+    short_sets = {k: v for k, v in sets.items() if not k.startswith(LONG_SETS)}
+    return text_sets, short_text, short_sets
+
+
+def reference_calls(
+    checkpoints: dict[str, str], sets: dict[str, list[dict]]
+) -> dict[str, tuple[str, dict[str, list[dict]], str | None, str]]:
+    """Every reference a run may take, as ``reference_answers``' arguments. The
+    oracle runs in float32 on the CPU, the same arithmetic whatever GPU runs
+    the engines; only the long states need the GPU (and the GPU check)."""
+    _, short_text, short_sets = split_sets(sets)
+    main = checkpoints["prefix_bidir"]
+    long_sets = {k: v for k, v in sets.items() if k not in short_sets}
+    calls = {
+        "prefix_bidir": (main, short_sets, None, "cpu"),
+        "prefix_bidir, long states": (main, long_sets, None, "cuda"),
+        "causal mask": (main, short_text, "causal", "cpu"),
+        "noncausal_full_attention mask": (
+            main,
+            short_text,
+            "noncausal_full_attention",
+            "cpu",
+        ),
+        "prefix_bidir on the GPU": (main, short_text, None, "cuda"),
+    }
+    for mode in OTHER_MODES:
+        calls[f"{mode} checkpoint"] = (checkpoints[mode], short_text, None, "cpu")
+    return calls
+
+
+def fill_reference_cache(work: Path, cache: Path, quick: bool) -> None:
+    """Every reference a run of these settings takes, into ``cache``: those on
+    the CPU here, and those on the GPU where this machine has one."""
+    import torch
+
+    checkpoints = build_checkpoints(work / "checkpoints")
+    sets = scaled_sets(checkpoints["prefix_bidir"], quick=quick)
+    for name, call in reference_calls(checkpoints, sets).items():
+        if call[3] == "cpu" or torch.cuda.is_available():
+            reference_answers(*call, cache=cache)
+        else:
+            log(f"reference {name}: left to a machine with a GPU")
+
+
 def run(
     out: Path,
     quick: bool,
@@ -844,11 +946,14 @@ def run(
     dtype: str | None = None,
     serve_args: list[str] | None = None,
     http_only: bool = False,
+    reference_cache: Path | None = None,
 ) -> dict:
     """The validation; ``serve_args`` go to both servers (e.g.
-    ``--tensor-parallel-size 2``), and ``http_only`` leaves out the in-process
+    ``--tensor-parallel-size 2``), ``http_only`` leaves out the in-process
     engines, the other modes' checkpoints and the start-up checks (for
-    parallel modes that ``vllm.LLM`` does not run in one process)."""
+    parallel modes that ``vllm.LLM`` does not run in one process), and
+    ``reference_cache`` is where the reference's answers are kept between runs
+    (``reference_answers``)."""
     serve_args = list(serve_args or [])
     out.mkdir(parents=True, exist_ok=True)
     work = work or out / "work"
@@ -857,32 +962,29 @@ def run(
     main = checkpoints["prefix_bidir"]
     sets = scaled_sets(main, quick=quick)
     long = not quick
-    text_sets = {
-        k: v
-        for k, v in sets.items()
-        if not any(r.get("images") or r.get("videos") for r in v)
-    }
-    short_text = {k: v for k, v in text_sets.items() if not k.startswith(LONG_SETS)}
-    short_sets = {k: v for k, v in sets.items() if not k.startswith(LONG_SETS)}
+    text_sets, short_text, _ = split_sets(sets)
     log(f"sets: {', '.join(f'{k} ({len(v)})' for k, v in sets.items())}")
+    oracle = reference_calls(checkpoints, sets)
+
+    def reference(name: str) -> dict[str, list[dict]]:
+        return reference_answers(*oracle[name], cache=reference_cache)
 
     results: dict[str, Any] = {"versions": versions(), "tables": {}}
-    # The oracle runs in float32 on the CPU, the same arithmetic whatever GPU
-    # runs the engines; only the long states need the GPU.
-    ref = reference_answers(main, short_sets, None, "cpu")
+    results["reference_cache"] = reference_cache is not None
+    ref = reference("prefix_bidir")
     if long:
-        long_sets = {k: v for k, v in sets.items() if k not in short_sets}
-        ref.update(reference_answers(main, long_sets, None, "cuda"))
-    ref_causal = reference_answers(main, short_text, "causal", "cpu")
-    ref_bidir = reference_answers(main, short_text, "noncausal_full_attention", "cpu")
+        ref.update(reference("prefix_bidir, long states"))
+    ref_causal = reference("causal mask")
+    ref_bidir = reference("noncausal_full_attention mask")
     answers = results["answers"] = {"reference": ref}
 
     command = "python -m benchmarks.validation run --out OUT"
     command += " --quick" if quick else ""
     command += " --parallel" if parallel else ""
     command += f" --dtype {dtype}" if dtype else ""
-    command += "".join(f" --serve-arg={arg}" for arg in serve_args)
+    command += "".join(f" {shlex.quote(f'--serve-arg={arg}')}" for arg in serve_args)
     command += " --http-only" if http_only else ""
+    command += " --reference-cache CACHE" if reference_cache else ""
 
     def save() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -971,11 +1073,11 @@ def run(
     for mode in OTHER_MODES:
         job = jobs.get(mode) or in_process(mode, short_text)
         # The other modes' oracle, only where their engines run.
-        ref_mode = reference_answers(checkpoints[mode], short_text, None, "cpu")
+        ref_mode = reference(f"{mode} checkpoint")
         served_table(OTHER_MODE_TABLES[mode], f"{mode} in process", job, ref_mode)
     results["prefix_caching"] = prefix_caching_refused(main, work)
     save()
-    answers["reference on gpu"] = reference_answers(main, short_text, None, "cuda")
+    answers["reference on gpu"] = reference("prefix_bidir on the GPU")
     tables[GPU_CHECK_TABLE] = table(ref, answers["reference on gpu"], short_text)
     save()
     return results
@@ -1013,6 +1115,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the servers: no in-process engines, other modes or start-up checks",
     )
+    run_p.add_argument(
+        "--reference-cache",
+        type=Path,
+        help="read the reference's answers from here, and keep new ones here",
+    )
+    cache_p = sub.add_parser(
+        "references", help="fill a reference cache for a run of these settings"
+    )
+    cache_p.add_argument("--work", type=Path, required=True)
+    cache_p.add_argument("--cache", type=Path, required=True)
+    cache_p.add_argument("--quick", action="store_true")
     report_p = sub.add_parser("report", help="write validation.md from results.json")
     report_p.add_argument("results", type=Path)
     report_p.add_argument("--run-command", required=True, help="the run's command")
@@ -1066,6 +1179,8 @@ def main(argv: list[str] | None = None) -> int:
             args.long,
             {key: json.loads(value) for key, value in engine_args.items()},
         )
+    elif args.command == "references":
+        fill_reference_cache(args.work, args.cache, args.quick)
     else:
         run(
             args.out,
@@ -1075,6 +1190,7 @@ def main(argv: list[str] | None = None) -> int:
             args.dtype,
             args.serve_arg,
             args.http_only,
+            args.reference_cache,
         )
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,37 @@ def test_cpu_reference_avoids_gpu_only_kernels(make_checkpoint, fake_fla) -> Non
     expected = ReferenceRuntime(checkpoint).answer(REQUEST)
     stats = compare(flatten([expected]), flatten(got["set"]))
     assert stats["max_dp"] < 1e-6, stats
+
+
+def test_the_reference_cache_keeps_answers_by_what_they_depend_on(
+    make_checkpoint, tmp_path, monkeypatch
+) -> None:
+    checkpoint = shutil.copytree(make_checkpoint(), tmp_path / "checkpoint")
+    sets, cache = {"set": [REQUEST]}, tmp_path / "cache"
+    first = validation.reference_answers(str(checkpoint), sets, None, "cpu", cache)
+    expected = ReferenceRuntime(str(checkpoint)).answer(REQUEST)
+    assert compare(flatten([expected]), flatten(first["set"]))["max_dp"] < 1e-6
+
+    # A later run reads them back: the reference does not run again.
+    def reference_ran(*args, **kwargs):
+        raise AssertionError("the reference ran again")
+
+    monkeypatch.setattr(validation.subprocess, "run", reference_ran)
+    again = validation.reference_answers(str(checkpoint), sets, None, "cpu", cache)
+    assert again == first
+    # Other requests, another mask or device, or a changed file: another key.
+    keys = {
+        validation.reference_key(str(checkpoint), sets, None, "cpu"),
+        validation.reference_key(str(checkpoint), sets, "causal", "cpu"),
+        validation.reference_key(str(checkpoint), sets, None, "cuda"),
+        validation.reference_key(str(checkpoint), {"set": [REQUEST] * 2}, None, "cpu"),
+    }
+    config = checkpoint / "decision_config.json"
+    config.write_text(config.read_text().replace("0.75", "0.5"))
+    keys.add(validation.reference_key(str(checkpoint), sets, None, "cpu"))
+    assert len(keys) == 5
+    with pytest.raises(AssertionError, match="the reference ran again"):
+        validation.reference_answers(str(checkpoint), sets, None, "cpu", cache)
 
 
 def test_a_failed_engine_names_its_log_and_error(make_checkpoint, tmp_path) -> None:
