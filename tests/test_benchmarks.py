@@ -725,3 +725,43 @@ def test_serve_flags_merge_every_additional_config():
     }
     assert len(flags) == 4
     assert merge_additional_config(["--enforce-eager"]) == ["--enforce-eager"]
+
+
+def test_startup_phases_read_a_real_server_log():
+    from benchmarks.startup import startup_phases
+
+    # A d3-turbo-shaped server's log from the H200; the numbers read by hand.
+    log = Path(__file__).parents[1] / "docs/benchmarks/h200-paths-serve-one.log"
+    assert startup_phases(log.read_text()) == {
+        "model loading": 9.269471,
+        "torch.compile": 72.36,
+        "profiling/warmup run": 134.85,
+        "CUDA graph capture": 23.0,
+        "engine init": 256.43,
+        # 13:26:25, the first line, to 13:28:32, the engine's first.
+        "before the engine": 127.0,
+        # FlashInfer's own stamps: 13:32:27,869 to 13:32:29,804.
+        "FlashInfer autotune": 1.935,
+    }
+    # A cold start with vLLM's memory profile: graphs captured twice, summed.
+    cold = Path(log.parent, "h200-startup-serve-prefix_bidir-cold.log")
+    assert startup_phases(cold.read_text()) == {
+        "model loading": 6.013809,
+        "torch.compile": 42.49,
+        "profiling/warmup run": 102.98,
+        "CUDA graph capture": 24.0,
+        "engine init": 194.03,
+        "before the engine": 43.0,
+        "FlashInfer autotune": 0.389,
+    }
+    assert startup_phases("no such lines") == {}
+
+
+def test_startup_caches_all_live_under_the_modes_home(tmp_path):
+    from benchmarks.startup import cache_environment, main
+
+    home = tmp_path / "home-causal"
+    for name, value in cache_environment(home).items():
+        assert Path(value) == home or home in Path(value).parents, name
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "f"), "--work", str(tmp_path), "--caches", "hot"])

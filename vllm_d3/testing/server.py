@@ -2,9 +2,10 @@
 
 - ``Server(checkpoint, *flags, log_file=...)`` starts ``vllm serve CHECKPOINT
   --host 127.0.0.1 --port <free port>`` with ``SERVE_FLAGS`` and ``flags``, its
-  output in ``log_file``; ``wait()`` returns the seconds until ``/health``
-  answered, or raises ``ServerExited`` naming the log and its last error line
-  (``last_error``) if the process ended first; leaving the ``with`` block stops it.
+  output in ``log_file`` (``environment``: variables to set for it);
+  ``wait()`` returns the seconds until ``/health`` answered, or raises
+  ``ServerExited`` naming the log and its last error line (``last_error``) if
+  the process ended first; leaving the ``with`` block stops it.
 - ``SERVE_FLAGS``: ``--gdn-prefill-backend triton`` (``GDN_PREFILL_BACKEND``), the
   Gated DeltaNet prefill that every vLLM install has; a vLLM install without
   FlashInfer's GDN kernels cannot start Qwen3.5 on Hopper otherwise.
@@ -17,6 +18,7 @@
 """
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -87,7 +89,13 @@ class Server:
     the seconds until ``/health`` answered, or raises ``ServerExited`` (naming
     the log and its last error) if the process ended first."""
 
-    def __init__(self, checkpoint: str, *flags: str, log_file: Path):
+    def __init__(
+        self,
+        checkpoint: str,
+        *flags: str,
+        log_file: Path,
+        environment: dict[str, str] | None = None,
+    ):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = log_file
@@ -105,7 +113,10 @@ class Server:
         ]
         with log_file.open("w") as output:
             self.process = subprocess.Popen(
-                command, stdout=output, stderr=subprocess.STDOUT
+                command,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **environment} if environment else None,
             )
 
     def wait(self, timeout: float = 480) -> float:

@@ -1,0 +1,194 @@
+"""Start-up of ``vllm serve``: a d3-turbo-shaped package, prefix_bidir beside
+its causal sibling, with cold and warm compile caches (GPU).
+
+``python -m benchmarks.startup --out FILE --work DIR [--modes prefix_bidir,causal]
+[--caches cold,warm] [--serve-arg=FLAG ...]``
+
+Contract:
+- For each of ``--modes`` a weight-less d3-turbo package of that attention mode
+  (vision tower included) is written under WORK and served with
+  ``--load-format dummy --max-model-len 131072``, the test servers' flags
+  (``--gdn-prefill-backend triton``) and ``--serve-arg``; for a causal package
+  the plugin's prefix_bidir hooks do not apply.
+- Each mode's server keeps every compile cache (vLLM's torch.compile cache,
+  Inductor's, Triton's, FlashInfer's) under ``WORK/home-<mode>`` (``HOME`` and
+  the caches' variables point there, ``cache_environment``). ``cold`` empties
+  it first; ``warm`` starts again on what the previous start left.
+- ``first_answer_s``: from launching ``vllm serve`` to the answer of one
+  4-question text request on ``/v1/systemone``; ``phases``: what the server's
+  log says each step took (``startup_phases``).
+- Writes ``FILE`` after every start: a list of ``{"mode", "cache",
+  "first_answer_s", "phases"}``, in the order run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import time
+from datetime import datetime
+from pathlib import Path
+
+from vllm_d3.testing.requests import request_sets, words_per_token
+from vllm_d3.testing.server import Server, post
+from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
+
+from .timing import log
+from .validation import LONG_MAX_MODEL_LEN, VALIDATED_LENGTH
+
+#: Steps whose length vLLM logs itself: name -> the line, its seconds captured.
+LOGGED_DURATIONS = {
+    "model loading": r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds",
+    "torch.compile": r"torch\.compile took ([\d.]+) s in total",
+    "profiling/warmup run": r"Initial profiling/warmup run took ([\d.]+) s",
+    "CUDA graph capture": r"Graph capturing finished in ([\d.]+) secs",
+    "engine init": r"init engine \(profile, create kv cache, warmup model\) took "
+    r"([\d.]+) s",
+}
+#: Steps timed between two lines' time stamps: name -> (first line, last line);
+#: ``None`` is the log's first time-stamped line.
+LOGGED_SPANS = {
+    "before the engine": (None, r"Initializing a V1 LLM engine"),
+    "FlashInfer autotune": (
+        r"Autotuning process starts",
+        r"Autotuning process ends",
+    ),
+}
+#: vLLM's time stamp (no year), and the one FlashInfer's logger writes.
+VLLM_STAMP = re.compile(r"\b(\d\d-\d\d \d\d:\d\d:\d\d) \[")
+FLASHINFER_STAMP = re.compile(r"^\d{4}-(\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+MODES = ("prefix_bidir", "causal")
+CACHES = ("cold", "warm")
+
+
+def _stamp(line: str) -> float | None:
+    """A log line's time in seconds (of an arbitrary origin), if it has one."""
+    if match := VLLM_STAMP.search(line):
+        text, millis = match.group(1), 0
+    elif match := FLASHINFER_STAMP.match(line):
+        text, millis = match.group(1), int(match.group(2))
+    else:
+        return None
+    when = datetime.strptime(f"2000-{text}", "%Y-%m-%d %H:%M:%S")
+    return when.timestamp() + millis / 1000
+
+
+def startup_phases(log_text: str) -> dict[str, float]:
+    """The seconds of each step of ``LOGGED_DURATIONS`` and ``LOGGED_SPANS``
+    that the log shows, in that order (a span from its first start to its
+    first end)."""
+    phases = {}
+    for name, pattern in LOGGED_DURATIONS.items():
+        # A step logged twice ran twice (vLLM captures graphs once to measure
+        # their memory, then for serving): the phase is their sum.
+        if seconds := [float(s) for s in re.findall(pattern, log_text)]:
+            phases[name] = round(sum(seconds), 6)
+    lines = log_text.splitlines()
+    stamped = [(t, line) for line in lines if (t := _stamp(line)) is not None]
+    for name, (first, last) in LOGGED_SPANS.items():
+        starts = [t for t, line in stamped if first is None or re.search(first, line)]
+        ends = [t for t, line in stamped if re.search(last, line)]
+        if starts and ends:
+            phases[name] = round(ends[0] - starts[0], 3)
+    return phases
+
+
+def cache_environment(home: Path) -> dict[str, str]:
+    """Variables that put every compile cache of a server under ``home``."""
+    return {
+        "HOME": str(home),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "VLLM_CACHE_ROOT": str(home / ".cache" / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(home / "inductor"),
+        "TRITON_CACHE_DIR": str(home / ".triton" / "cache"),
+        "FLASHINFER_WORKSPACE_BASE": str(home),
+    }
+
+
+def _cache(name: str) -> str:
+    if name not in CACHES:
+        raise argparse.ArgumentTypeError(f"--caches: {name!r} is not one of {CACHES}")
+    return name
+
+
+def package(work: Path, mode: str) -> Path:
+    path = work / f"checkpoint-{mode}"
+    if not (path / "MODEL_MANIFEST.json").exists():
+        write_tiny_checkpoint(
+            path,
+            attention_mode=mode,
+            vision=True,
+            shape="d3-turbo",
+            weights=False,
+            validated_length=VALIDATED_LENGTH,
+        )
+    return path
+
+
+def first_request(checkpoint: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    per_token = words_per_token(tokenizer)
+    sets = request_sets(0, per_set=1, long=False, words_per_token=per_token)
+    return sets["text, 4 questions"][0]
+
+
+def start_once(work: Path, mode: str, cache: str, serve_args: list[str]) -> dict:
+    """One start of ``mode``'s server: seconds to its first answer, and phases."""
+    checkpoint = package(work, mode)
+    request = first_request(checkpoint)
+    home = work / f"home-{mode}"
+    if cache == "cold":
+        shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True, exist_ok=True)
+    flags = ["--load-format", "dummy", "--max-model-len", str(LONG_MAX_MODEL_LEN)]
+    log_file = work / f"serve-{mode}-{cache}.log"
+    started = time.time()
+    with Server(
+        str(checkpoint),
+        *flags,
+        *serve_args,
+        log_file=log_file,
+        environment=cache_environment(home),
+    ) as server:
+        server.wait(timeout=1800)
+        status, body = post(server.url + "/v1/systemone", request)
+        first_answer = time.time() - started
+    if status != 200:
+        raise RuntimeError(f"{mode}, {cache}: HTTP {status}: {body}")
+    phases = startup_phases(log_file.read_text())
+    log(f"{mode}, {cache}: first answer after {first_answer:.1f} s; {phases}")
+    return {
+        "mode": mode,
+        "cache": cache,
+        "first_answer_s": round(first_answer, 2),
+        "phases": phases,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--caches",
+        type=lambda text: [_cache(part) for part in text.split(",")],
+        default=list(CACHES),
+    )
+    parser.add_argument("--serve-arg", action="append", default=[])
+    args = parser.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for cache in args.caches:
+        for mode in args.modes.split(","):
+            results.append(start_once(args.work, mode, cache, args.serve_arg))
+            args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
