@@ -158,6 +158,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.4,
         help="most of the budget the reference may use when vLLM runs too (0.4)",
     )
+    _load_arguments(parser)
+    args = parser.parse_args(argv)
+    _complete(parser, args)
+    return args
+
+
+def _load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The throughput loads', the reference's and the servers' options."""
     parser.add_argument(
         "--throughput-seconds", type=float, help="measured per load (30; smoke: 5)"
     )
@@ -189,7 +197,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a flag for every vllm serve, as one argument "
         "(--serve-arg=--tensor-parallel-size=2)",
     )
-    args = parser.parse_args(argv)
+
+
+def _complete(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check ``args`` and fill in the defaults that depend on others (the smoke
+    run's, the long rows' from the short ones')."""
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     unknown = sorted(set(args.sides) - set(SIDES))
     if unknown or not args.sides:
@@ -215,7 +227,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"got {args.vllm_long_warmup}"
         )
     args.patterns = None if args.rows is None else args.rows.split(",")
-    return args
 
 
 def prepare_checkpoint(args: argparse.Namespace, work: Path) -> Path:

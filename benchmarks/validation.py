@@ -841,38 +841,7 @@ def report(results: dict, command: str, section: str | None = None) -> str:
         ]
     http = results.get("http")
     if http:
-        lines += [
-            f"{head}# Bad input over HTTP",
-            "",
-            "| input | route | status |",
-            "|---|---|---|",
-        ]
-        lines += [
-            f"| {b['what']} | {b['route']} | {b['status']} |"
-            for b in http["bad_inputs"]
-        ]
-        source = (
-            "--max-model-len"
-            if http["max_model_len_flag"]
-            else "validated_length, no flag"
-        )
-        classify_list = http.get("classify_list")
-        if classify_list:
-            lines += [
-                "",
-                "`/classify` with two inputs and `d3_state_tokens` as a list: "
-                f"HTTP {classify_list['status']}, "
-                f"{classify_list['results']} results.",
-            ]
-        lines += [
-            "",
-            f"A zstd body that decodes to {BOMB_BYTES // 2**30} GiB: HTTP "
-            f"{http['decompression_bomb']}.",
-            f"A valid request after them: HTTP {http['valid_after_bad_inputs']}.",
-            f"Served max_model_len: {http['max_model_len']} ({source}).",
-            f"Server start-up: {http['server_up_s']:.0f} s.",
-            "",
-        ]
+        lines += _http_lines(http, head)
     if "prefix_caching" in results:
         lines += [
             f"{head}# --enable-prefix-caching",
@@ -881,6 +850,41 @@ def report(results: dict, command: str, section: str | None = None) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _http_lines(http: dict, head: str) -> list[str]:
+    """The report's part on the HTTP run's other checks: bad inputs, the list
+    form, the decompression bomb, the served length, the start-up."""
+    lines = [
+        f"{head}# Bad input over HTTP",
+        "",
+        "| input | route | status |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {b['what']} | {b['route']} | {b['status']} |" for b in http["bad_inputs"]
+    ]
+    source = (
+        "--max-model-len" if http["max_model_len_flag"] else "validated_length, no flag"
+    )
+    classify_list = http.get("classify_list")
+    if classify_list:
+        lines += [
+            "",
+            "`/classify` with two inputs and `d3_state_tokens` as a list: "
+            f"HTTP {classify_list['status']}, "
+            f"{classify_list['results']} results.",
+        ]
+    lines += [
+        "",
+        f"A zstd body that decodes to {BOMB_BYTES // 2**30} GiB: HTTP "
+        f"{http['decompression_bomb']}.",
+        f"A valid request after them: HTTP {http['valid_after_bad_inputs']}.",
+        f"Served max_model_len: {http['max_model_len']} ({source}).",
+        f"Server start-up: {http['server_up_s']:.0f} s.",
+        "",
+    ]
+    return lines
 
 
 def split_sets(
@@ -1083,43 +1087,10 @@ def run(
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run_p = sub.add_parser("run")
-    run_p.add_argument("--out", type=Path, required=True)
-    run_p.add_argument(
-        "--quick", action="store_true", help="one request per set, no long states"
-    )
-    run_p.add_argument(
-        "--work", type=Path, help="checkpoints and logs (default OUT/work)"
-    )
-    run_p.add_argument(
-        "--dtype", help="serve in this dtype (e.g. float32) instead of the model's"
-    )
-    run_p.add_argument(
-        "--parallel",
-        action="store_true",
-        help=f"run the vLLM engines at once, each with {PARALLEL_MEMORY:.0%} of the "
-        "GPU memory",
-    )
-    run_p.add_argument(
-        "--serve-arg",
-        action="append",
-        default=[],
-        help="a flag for both vllm serve commands, as one argument "
-        "(--serve-arg=--tensor-parallel-size=2)",
-    )
-    run_p.add_argument(
-        "--http-only",
-        action="store_true",
-        help="only the servers: no in-process engines, other modes or start-up checks",
-    )
-    run_p.add_argument(
-        "--reference-cache",
-        type=Path,
-        help="read the reference's answers from here, and keep new ones here",
-    )
+    _run_arguments(sub.add_parser("run"))
     cache_p = sub.add_parser(
         "references", help="fill a reference cache for a run of these settings"
     )
@@ -1153,7 +1124,47 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="KEY=JSON, an LLM keyword argument",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run_arguments(run_p: argparse.ArgumentParser) -> None:
+    run_p.add_argument("--out", type=Path, required=True)
+    run_p.add_argument(
+        "--quick", action="store_true", help="one request per set, no long states"
+    )
+    run_p.add_argument(
+        "--work", type=Path, help="checkpoints and logs (default OUT/work)"
+    )
+    run_p.add_argument(
+        "--dtype", help="serve in this dtype (e.g. float32) instead of the model's"
+    )
+    run_p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="run the vLLM engines at once, each with "
+        f"{PARALLEL_MEMORY * 100:.0f}%% of the GPU memory",
+    )
+    run_p.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="a flag for both vllm serve commands, as one argument "
+        "(--serve-arg=--tensor-parallel-size=2)",
+    )
+    run_p.add_argument(
+        "--http-only",
+        action="store_true",
+        help="only the servers: no in-process engines, other modes or start-up checks",
+    )
+    run_p.add_argument(
+        "--reference-cache",
+        type=Path,
+        help="read the reference's answers from here, and keep new ones here",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "reference":
         # Before anything imports transformers' Qwen3.5 modelling code: a None
         # entry in sys.modules makes an import of that package fail.

@@ -55,6 +55,9 @@ def test_compare_refuses_misaligned_answers():
         compare([noul(0.5), noul(0.5)], [noul(0.5)])
     with pytest.raises(ValueError, match="option counts differ"):
         compare([choice(0.5, 0.5)], [choice(0.3, 0.3, 0.4)])
+    # An empty set would meet every bound: it is an error, not a pass.
+    with pytest.raises(ValueError, match="no answers to compare"):
+        compare([], [])
 
 
 def test_flatten_keeps_request_and_question_order():

@@ -271,9 +271,9 @@ def test_hook_selects_dense_pieces_where_they_run(make_checkpoint, hopper, hook_
 
 def test_state_once_where_dense_pieces_run(make_checkpoint, hopper, hook_log):
     config = engine_config(make_checkpoint(weights=False))
+    # The decisions apart from the user's switches, of which none was given.
     assert config.additional_config == {
-        "d3_attention_kernel": "fa3",
-        "d3_state_once": True,
+        "d3_decided": {"d3_attention_kernel": "fa3", "d3_state_once": True},
         "gdn_prefill_backend": "triton",
     }
     log = "\n".join(hook_log)
@@ -294,7 +294,7 @@ def test_the_state_once_switch_and_a_chosen_gdn_kernel(
     config = engine_config(
         make_checkpoint(weights=False), additional_config=dict(additional)
     )
-    assert config.additional_config["d3_state_once"] is expected
+    assert config.additional_config["d3_decided"]["d3_state_once"] is expected
     chosen = additional.get("gdn_prefill_backend", "triton")
     assert config.additional_config["gdn_prefill_backend"] == chosen
 
@@ -304,8 +304,8 @@ def test_a_quantized_kv_cache_reads_one_question_per_request(
 ):
     config = engine_config(make_checkpoint(weights=False), kv_cache_dtype="fp8")
     assert config.attention_config.backend_per_kind == {}
-    assert config.additional_config["d3_attention_kernel"] == "ranged"
-    assert config.additional_config["d3_state_once"] is False
+    assert config.additional_config["d3_decided"]["d3_attention_kernel"] == "ranged"
+    assert config.additional_config["d3_decided"]["d3_state_once"] is False
     log = "\n".join(hook_log)
     assert "not D3_PREFIX_BIDIR: the dense pieces read a bf16/fp16 KV cache" in log
 
@@ -322,7 +322,7 @@ def test_hook_keeps_vllm_selection_without_a_hopper_gpu(make_checkpoint, hook_lo
     assert config.attention_config.backend_per_kind == {}
     assert "not D3_PREFIX_BIDIR: not a CUDA or ROCm GPU" in "\n".join(hook_log)
     # No dense pieces, no packed questions: one engine request per question.
-    assert config.additional_config["d3_state_once"] is False
+    assert config.additional_config["d3_decided"]["d3_state_once"] is False
 
 
 def test_a_chosen_backend_wins(make_checkpoint, hopper, hook_log):
@@ -413,7 +413,7 @@ def test_a_custom_backend_of_another_plugin_is_left_alone(
     monkeypatch.setattr(plugin_hook, "owns_custom_backend", lambda: False)
     config = engine_config(make_checkpoint(weights=False))
     assert config.attention_config.backend_per_kind == {}
-    assert config.additional_config["d3_state_once"] is False
+    assert config.additional_config["d3_decided"]["d3_state_once"] is False
     assert "the CUSTOM attention backend belongs to another plugin" in (
         "\n".join(hook_log)
     )
@@ -476,9 +476,9 @@ def test_each_gpu_family_gets_its_kernels_checked(
     fake_gpu(monkeypatch, family)
     config = engine_config(make_checkpoint(weights=False))
     assert checks.asked == [expected]
-    assert config.additional_config["d3_attention_kernel"] == expected[0]
+    assert config.additional_config["d3_decided"]["d3_attention_kernel"] == expected[0]
     assert config.attention_config.backend_per_kind == {"full_attention": MEMBER}
-    assert config.additional_config["d3_state_once"] is True
+    assert config.additional_config["d3_decided"]["d3_state_once"] is True
     assert f"passed its start-up check on this {family} GPU" in "\n".join(hook_log)
 
 
@@ -488,7 +488,7 @@ def test_a_kernel_that_fails_its_check_gives_way_to_the_next(
     fake_gpu(monkeypatch, "ROCm")
     checks.failing.add("torch_flash")
     config = engine_config(make_checkpoint(weights=False))
-    assert config.additional_config["d3_attention_kernel"] == "triton"
+    assert config.additional_config["d3_decided"]["d3_attention_kernel"] == "triton"
 
 
 def test_no_kernel_passing_its_check_serves_the_ranged_path(
@@ -498,8 +498,8 @@ def test_no_kernel_passing_its_check_serves_the_ranged_path(
     checks.failing.update({"fa2", "triton"})
     config = engine_config(make_checkpoint(weights=False))
     assert config.attention_config.backend_per_kind == {}
-    assert config.additional_config["d3_attention_kernel"] == "ranged"
-    assert config.additional_config["d3_state_once"] is False
+    assert config.additional_config["d3_decided"]["d3_attention_kernel"] == "ranged"
+    assert config.additional_config["d3_decided"]["d3_state_once"] is False
     assert (
         "not D3_PREFIX_BIDIR: no dense-piece kernel of ['fa2', 'triton'] passed its "
         "start-up check on this Blackwell GPU"
@@ -512,7 +512,7 @@ def test_the_switch_forces_a_kernel(make_checkpoint, hopper, hook_log, kernel):
         make_checkpoint(weights=False),
         additional_config={"d3_attention_kernel": kernel},
     )
-    assert config.additional_config["d3_attention_kernel"] == kernel
+    assert config.additional_config["d3_decided"]["d3_attention_kernel"] == kernel
     assert config.attention_config.backend_per_kind == {"full_attention": MEMBER}
     chose = "(--additional-config d3_attention_kernel chose it"
     assert f"pieces on {kernel} {chose}" in "\n".join(hook_log)
@@ -524,7 +524,7 @@ def test_a_flash_attention_version_chooses_its_kernel(
     config = engine_config(
         make_checkpoint(weights=False), attention_config={"flash_attn_version": 2}
     )
-    assert config.additional_config["d3_attention_kernel"] == "fa2"
+    assert config.additional_config["d3_decided"]["d3_attention_kernel"] == "fa2"
     chose = "(--attention-config flash_attn_version chose it"
     assert f"pieces on fa2 {chose}" in "\n".join(hook_log)
 
@@ -535,7 +535,7 @@ def test_the_switch_forces_the_ranged_path(make_checkpoint, hopper, hook_log):
         additional_config={"d3_attention_kernel": "ranged"},
     )
     assert config.attention_config.backend_per_kind == {}
-    assert config.additional_config["d3_state_once"] is False
+    assert config.additional_config["d3_decided"]["d3_state_once"] is False
     assert "not D3_PREFIX_BIDIR: d3_attention_kernel is ranged" in "\n".join(hook_log)
 
 
@@ -604,7 +604,9 @@ def test_the_dense_impl_refuses_what_it_does_not_compute():
 
     from vllm_d3.v1.attention.backends.d3_prefix_bidir import D3DensePiecesImpl
 
-    config = VllmConfig(additional_config={"d3_attention_kernel": "triton"})
+    # The impl serves the kernel the config hook decided.
+    decided = {"d3_decided": {"d3_attention_kernel": "triton"}}
+    config = VllmConfig(additional_config=decided)
     with set_current_vllm_config(config):
         plain = D3DensePiecesImpl(4, 32, 32**-0.5, 2, None, None, "auto")
         other = D3DensePiecesImpl(

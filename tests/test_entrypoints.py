@@ -147,7 +147,8 @@ def test_packed_requests_need_state_once(prefix_bidir_front_end):
     # On the CPU the config hook turned state once off: ranged attention would
     # let each packed question see the ones before it.
     processor, _ = prefix_bidir_front_end
-    assert processor.vllm_config.additional_config["d3_state_once"] is False
+    decided = processor.vllm_config.additional_config["d3_decided"]
+    assert decided["d3_state_once"] is False
     packed = {"d3_state_tokens": 5, "d3_question_ends": [8, 12]}
     with pytest.raises(VLLMClientError, match="one question per request"):
         classify(processor, 12, packed)

@@ -169,10 +169,10 @@ def test_the_patched_tree_links_all_but_the_series_files(exported):
 
 PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs")
 PROBE = """
-import vllm, vllm_d3
+import vllm, vllm_d3.registration
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-print(vllm.__file__, vllm_d3.installed_hooks())
+print(vllm.__file__, vllm_d3.registration.installed_hooks())
 """
 
 

@@ -97,8 +97,8 @@ def make_strategy(path: str, state_once: bool = False, max_model_len: int = 4096
     """The strategy as the front end builds it. The config hook turns state once
     off without a Hopper GPU; ``state_once`` sets what it would decide there."""
     config = EngineArgs(model=path, max_model_len=max_model_len).create_engine_config()
-    if "d3_state_once" in config.additional_config:
-        config.additional_config["d3_state_once"] = state_once
+    if "d3_decided" in config.additional_config:
+        config.additional_config["d3_decided"]["d3_state_once"] = state_once
     renderer = renderer_from_config(config)
     engine = RecordingEngine(config, 255)
     online = OnlineRenderer(

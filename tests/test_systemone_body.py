@@ -187,7 +187,7 @@ def test_the_plugin_builds_the_middleware_into_vllms_app():
     assert patches.is_applied(launchers_app, "init_entrypoints_middleware")
     assert (
         "patch vllm.entrypoints.launchers.app.init_entrypoints_middleware"
-        in vllm_d3.installed_hooks()
+        in vllm_d3.registration.installed_hooks()
     )
     # build_app calls it by its module-level name, so the patched one runs.
     source = inspect.getsource(launchers_app.build_app)

@@ -192,3 +192,11 @@ def test_a_parallel_run_is_appended_to_the_page_as_its_own_section(tmp_path) -> 
     assert "Command: `run tp2`" in appended and "run one" not in appended
     assert f"\n### {validation.HTTP_TABLE}\n" in appended and "| NO |" in appended
     assert "\n## " not in appended
+
+
+@pytest.mark.parametrize("command", ["run", "references", "report", "inprocess"])
+def test_every_validation_command_prints_its_help(command, capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        validation.main([command, "--help"])
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out

@@ -1,46 +1,20 @@
 """vllm-d3: serve Decision 3.0 ``prefix_bidir`` checkpoints with vLLM 0.33.0.
 
-``register`` is the ``vllm.general_plugins`` entry point. vLLM calls it in every
-process it starts (API server, engine core, workers, the model-inspection
-subprocess). It is idempotent and installs, through vLLM's registries:
-
-- ``ModelRegistry``: ``D3ForSequenceClassification`` ->
-  ``vllm_d3.model_executor.models.d3``
-- ``MODELS_CONFIG_MAP``: the D3 config contract with ``prefix_bidir``
-- ``MODEL_ARCH_CONFIG_CONVERTORS["qwen3_5"]``: checkpoint detection that turns
-  ``is_mm_prefix_lm`` on for ``prefix_bidir``
-- ``READ_STRATEGIES``: the D3 read strategy that sends ``d3_state_tokens``
-- the attention backend registry: ``AttentionBackendEnum.CUSTOM`` ->
-  ``D3PrefixBidirAttentionBackend`` (dense pieces on FlashAttention 3), unless
-  another plugin registered ``CUSTOM`` first
-- the three monkeypatches of ``vllm_d3.patches``
-
-and logs once per process, at INFO, what it installed. It refuses, before
-installing anything, a vLLM other than ``SUPPORTED_VLLM``.x: the hooks reach
-into that release's internals (docs/upstream.md lists every tie).
+``register``, the ``vllm.general_plugins`` entry point, runs in every process
+vLLM starts and is idempotent. Through vLLM's registries it installs the D3
+model, its config contract, the checkpoint detection (``is_mm_prefix_lm`` for
+prefix_bidir), the read strategy, the dense-piece attention backend as
+``CUSTOM`` (unless another plugin owns it) and the patches of
+``vllm_d3.patches``, and logs what it installed (``registration`` keeps the
+record). A vLLM other than ``SUPPORTED_VLLM``.x is refused before anything is
+installed: the hooks reach into that release's internals (docs/upstream.md).
 """
+
+from .registration import DENSE_ATTENTION_BACKEND, installed, owns_custom_backend
 
 ARCHITECTURE = "D3ForSequenceClassification"
 #: The vLLM release line the plugin is written against (pyproject pins 0.33.0).
 SUPPORTED_VLLM = "0.33"
-#: The dense-piece attention backend, registered as vLLM's ``CUSTOM`` backend.
-DENSE_ATTENTION_BACKEND = (
-    "vllm_d3.v1.attention.backends.d3_prefix_bidir.D3PrefixBidirAttentionBackend"
-)
-_installed: list[str] = []
-
-
-def installed_hooks() -> list[str]:
-    """What ``register`` installed in this process (empty before it ran)."""
-    return list(_installed)
-
-
-def owns_custom_backend() -> bool:
-    """Whether vLLM's ``CUSTOM`` attention backend is the dense-piece one."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    custom = AttentionBackendEnum.CUSTOM
-    return custom.is_overridden() and custom.get_path() == DENSE_ATTENTION_BACKEND
 
 
 def check_vllm_version(version: str) -> None:
@@ -53,7 +27,7 @@ def check_vllm_version(version: str) -> None:
 
 
 def register() -> None:
-    if _installed:
+    if installed:
         return
     import vllm
 
@@ -83,7 +57,7 @@ def register() -> None:
     MODELS_CONFIG_MAP[ARCHITECTURE] = D3ForSequenceClassificationConfig
     MODEL_ARCH_CONFIG_CONVERTORS["qwen3_5"] = D3Qwen3_5ModelArchConfigConvertor
     READ_STRATEGIES[ARCHITECTURE] = D3Strategy
-    _installed.extend(
+    installed.extend(
         [
             f"ModelRegistry[{ARCHITECTURE}]",
             f"MODELS_CONFIG_MAP[{ARCHITECTURE}]",
@@ -97,11 +71,11 @@ def register() -> None:
     custom = AttentionBackendEnum.CUSTOM
     if not custom.is_overridden() or owns_custom_backend():
         register_backend(custom, DENSE_ATTENTION_BACKEND)
-        _installed.append("AttentionBackendEnum.CUSTOM")
+        installed.append("AttentionBackendEnum.CUSTOM")
     else:
         logger.warning(
             "vllm-d3: the CUSTOM attention backend is already %s; prefix_bidir "
             "checkpoints keep vLLM's ranged attention",
             custom.get_path(),
         )
-    logger.info("vllm-d3 installed its D3 hooks: %s", ", ".join(_installed))
+    logger.info("vllm-d3 installed its D3 hooks: %s", ", ".join(installed))

@@ -50,7 +50,10 @@ def table_of(results: dict, name: str) -> dict:
     HTTP-only run."""
     if HTTP_ONLY and name not in results["tables"]:
         pytest.skip(f"{name}: not run with VLLM_D3_VALIDATION_SERVE_ARGS")
-    return results["tables"][name]
+    table = results["tables"][name]
+    # A table without rows would pass every check below.
+    assert table, f"{name}: no sets"
+    return table
 
 
 @pytest.fixture(scope="module")

@@ -1,39 +1,17 @@
 """The upstream patch series, generated from this package
 (``vllm-d3 export-patches``; docs/upstream.md).
 
-Contract:
-
-- ``vllm_d3.export.series.SERIES`` lists the commits in the order a reviewer
-  reads them. Each ``Patch`` is a title, a message body, its changes (applied
-  in order to the tree the previous ones left), the CPU test files it makes
-  pass in-tree and a control among them that fails on vLLM as released:
-  - ``NewFile``: a module of this package written whole at the upstream path it
-    mirrors (``vllm_d3/x/y.py`` -> ``vllm/x/y.py``), its ``vllm_d3`` imports
-    read as ``vllm`` ones and its ``"vllm."``-prefixed logger name as the plain
-    module name (in-tree modules already sit under the ``vllm`` logger); its
-    ``in_tree`` pairs name the few lines that read otherwise in-tree;
-  - ``Edit``: a small anchored change to an existing upstream file. The anchor
-    must occur exactly once; otherwise ``ExportError`` names the file and the
-    anchor, so that a 0.33.x release that moved the code stops the export
-    instead of producing a wrong patch.
-  - ``backports``: the modules of this package that give the plugin a commit's
-    edits (a hook vLLM 0.33.0 lacks), each at the path of the file it stands
-    for; a new file that imports one imports the upstream file in-tree.
-- ``in_tree_test_args(patches)``: the pytest arguments of their tests together.
-- ``in_tree_modules()``: every module of this package that the series puts
-  into vLLM, by its upstream name; the in-tree test run imports those in their
-  place (``tests/conftest.py``).
-- ``export_series(out, repo, vllm_src)``: a git repository of vLLM at ``repo``
-  (a clone of ``vllm_src`` when it is a git checkout; otherwise the
-  ``.py`` files of the ``vllm`` package that ``vllm_src`` holds, or of the
-  installed one when it is ``None``, committed as the base), one commit per
-  patch on top, written to ``out`` by ``git format-patch``. Returns the patch
-  files.
-- ``patched_tree(repo, installed, dst, commits)``: a runnable copy of the
-  installed ``vllm`` package at ``dst/vllm``: links to every installed file
-  (compiled extensions included) except the files the series' first
-  ``commits`` patches (all by default) add or change, which are the
-  repository's after them. ``PYTHONPATH=dst`` then imports the patched vLLM.
+``series.SERIES`` lists the commits in a reviewer's order. Each ``Patch`` has
+a title, a message, its changes (applied in order to the tree the previous
+ones left: a ``NewFile`` is a module of this package written whole at the
+upstream path it mirrors, its ``vllm_d3`` imports and logger name read as
+vLLM's; an ``Edit`` an anchored change; ``backports`` the modules that give the
+plugin an edit's hook), the CPU tests it makes pass in-tree and a control that
+fails on vLLM as released. ``export_series`` commits them over a vLLM
+repository and writes them with ``git format-patch``; ``patched_tree`` makes a
+runnable copy of the installed vLLM with them applied; ``in_tree_modules`` and
+``in_tree_test_args`` serve the in-tree test run (``tests/conftest.py``). A
+0.33.x release that moved an anchor stops the export (``ExportError``).
 """
 
 from __future__ import annotations

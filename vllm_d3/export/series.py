@@ -511,9 +511,10 @@ D3StateBlockReads (the new d3_reads module), a base of D3Strategy:
   the system turn and the media come first, so they are inside it), checks
   that every question's prompt shares it, and sends it as d3_state_tokens;
 - packs the questions after one copy of the state (d3_question_ends), where
-  the config says the state is read once (additional_config d3_state_once,
-  which a later commit's config hook decides); a pack longer than one engine
-  step is split, each reading the state again, and the log says so;
+  the config says the state is read once (the d3_state_once decision in
+  additional_config d3_decided, which a later commit's config hook writes); a
+  pack longer than one engine step is split, each reading the state again,
+  and the log says so;
 - divides each question's logits by temperature_for(Q), the schedule's
   temperature for the request's question count (d3-ultra), and reports in
   usage.input_tokens what the engine computed;
@@ -589,7 +590,7 @@ class D3Strategy(D3StateBlockReads, ReadStrategy):
 """,
             text="""\
         input_tokens = [len(ids) for ids in prompt_ids]
-        if self.reads_state_blocks:
+        if self.needs_state_block_reads:
             # State blocks, packed questions, d3-ultra (d3_reads.py).
             logits, input_tokens = await self.read_state_blocks(
                 engine_inputs,
@@ -668,9 +669,10 @@ first runs a small prefix_bidir batch against a float32 reference in a process
 of its own; if none passes, vLLM's ranged attention stays. It then decides
 once, for every process, whether /v1/systemone reads each request's state once
 (packed questions; additional_config d3_state_once, which the user can turn
-off) and keeps the Gated DeltaNet prefill on Triton/FLA, the kernel the packed
-path was validated on, unless --gdn-prefill-backend chose another. Each
-decision is logged with its reason.""",
+off), and keeps the Gated DeltaNet prefill on Triton/FLA, the kernel the
+packed path was validated on, unless --gdn-prefill-backend chose another. It
+writes its decisions under additional_config d3_decided, beside the user's
+switches, and logs each with its reason.""",
     changes=(
         Edit(
             _REGISTRY,

@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm_d3.model_executor.models.d3_contract import (
     ATTENTION_KERNEL_KEY,
     AUTO_KERNEL,
+    decided,
 )
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3PrefixBidirAttentionBackend,
@@ -100,10 +101,8 @@ class FullAttentionLayer:
             load_format="dummy",
             additional_config={ATTENTION_KERNEL_KEY: kernel},
         ).create_engine_config()
-        extra = self.config.additional_config
-        assert isinstance(extra, dict)  # the config hook writes into it
         #: The dense pieces' kernel the config hook chose.
-        self.kernel = extra[ATTENTION_KERNEL_KEY]
+        self.kernel = decided(self.config.additional_config)[ATTENTION_KERNEL_KEY]
         text = self.config.model_config.hf_text_config
         self.num_heads = text.num_attention_heads
         self.num_kv_heads = text.num_key_value_heads

@@ -54,9 +54,12 @@ def compare(
     *,
     tie: float = TIE,
 ) -> dict[str, Any]:
-    """``reference`` and ``served``: answers of the same questions, in order."""
+    """``reference`` and ``served``: answers of the same questions, in order;
+    at least one, since an empty set would pass any bound."""
     if len(reference) != len(served):
         raise ValueError(f"{len(reference)} reference answers, {len(served)} served")
+    if not reference:
+        raise ValueError("no answers to compare")
     deltas: list[float] = []
     changed = near_ties = 0
     for ref, got in zip(reference, served, strict=True):
@@ -67,7 +70,7 @@ def compare(
         if decision(ref) != decision(got):
             changed += 1
             near_ties += top_two_margin(ref) <= tie
-    values = np.asarray(deltas) if deltas else np.zeros(1)
+    values = np.asarray(deltas)
     return {
         "questions": len(reference),
         "decisions_changed": changed,

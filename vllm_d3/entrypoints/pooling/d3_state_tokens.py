@@ -5,23 +5,11 @@
 
 A prefix_bidir prompt's attention mask depends on its state block size ``s``,
 which the prompt itself does not carry; nothing may run without it.
-
-- ``with_state_tokens(model_config, request, params)``: the ``PoolingParams`` of
-  an online pooling request (``/classify``, ``/pooling``) with the request field
-  ``d3_state_tokens`` (an int, or a list with one int per input) carried into
-  ``extra_kwargs``. For a list it returns ``PerInputPoolingParams``, one params
-  per input, which vLLM's pooling serving takes as a sequence; a list whose
-  length is not the number of inputs is a ``VLLMValidationError`` (a 400)
-  naming the field. A request without the field, or a model that is not
-  prefix_bidir, keeps ``params`` as they are.
-- ``check_state_blocks(vllm_config, request)``: every request of every entry
-  point (``LLM.classify``, ``/classify``, ``/pooling``, ``/v1/systemone``) with
-  its final prompt, as the input processor made it. A prefix_bidir request
-  whose ``d3_state_tokens`` is missing or invalid, or whose
-  ``d3_question_ends`` (a packed request's question blocks) is invalid or
-  holds several ends on a server that reads one question per request, is a
-  ``VLLMValidationError`` naming the field, so that no request runs with a
-  silent single block and a bad one never reaches the engine core.
+``with_state_tokens`` carries the request field of ``/classify`` and
+``/pooling`` into the ``PoolingParams``; ``check_state_blocks`` refuses, with
+a ``VLLMValidationError`` (a 400) naming the field, every request of every
+entry point whose final prompt lacks a valid one, so that no request runs
+with a silent single block and a bad one never reaches the engine core.
 """
 
 from typing import Any
@@ -64,6 +52,13 @@ class PerInputPoolingParams(list):
 
 
 def with_state_tokens(model_config: ModelConfig, request: Any, params: Any) -> Any:
+    """The ``PoolingParams`` of an online pooling request with its field
+    ``d3_state_tokens`` (an int, or a list with one int per input) in
+    ``extra_kwargs``. For a list, ``PerInputPoolingParams``, one params per
+    input, which vLLM's pooling serving takes as a sequence; a list whose
+    length is not the number of inputs is a ``VLLMValidationError`` naming the
+    field. A request without the field, or a model that is not prefix_bidir,
+    keeps ``params``."""
     extra = getattr(request, "model_extra", None) or {}
     if STATE_TOKENS_KEY not in extra or not _serves_prefix_bidir(model_config):
         return params
@@ -87,6 +82,11 @@ def with_state_tokens(model_config: ModelConfig, request: Any, params: Any) -> A
 
 
 def check_state_blocks(vllm_config: VllmConfig, request: EngineCoreRequest) -> None:
+    """Refuse a prefix_bidir request (of ``LLM.classify``, ``/classify``,
+    ``/pooling`` or ``/v1/systemone``, with its final prompt as the input
+    processor made it) whose ``d3_state_tokens`` is missing or invalid, or
+    whose ``d3_question_ends`` (a packed request's question blocks) is invalid
+    or holds several ends on a server that reads one question per request."""
     params = request.pooling_params
     if params is None or not _serves_prefix_bidir(vllm_config.model_config):
         return

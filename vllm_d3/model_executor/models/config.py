@@ -3,23 +3,16 @@
 """The D3 entry of ``MODELS_CONFIG_MAP``
 (upstream: ``model_executor/models/config.py``).
 
-``D3ForSequenceClassificationConfig`` extends 0.33.0's class of the same name:
-
-- ``causal`` and ``noncausal_full_attention`` go through 0.33.0's contract unchanged.
-- ``prefix_bidir`` goes through the same contract as a causal checkpoint (the text
-  layers stay decoder attention with a KV cache, reading per-request PrefixLM
-  ranges), then the *model* is marked non-causal so that chunked prefill and
-  prefix caching default to off, as for the other non-causal D3 modes.
-- ``validated_length`` becomes ``max_model_len`` when the user gave none.
-- The d3-ultra fields are validated at start-up (``d3_contract``).
-- At the ``VllmConfig`` level a prefix_bidir checkpoint refuses Model Runner V1
-  (it cannot pass the ranges) and prefix caching or chunked prefill (a state block
-  must be computed whole, with its own mask).
-- Then ``select_prefix_bidir_serving`` (``d3_serving``) picks the
-  full-attention backend (the dense-piece one, registered as vLLM's ``CUSTOM``,
-  where the platform runs it, the user chose none and no other plugin owns
-  ``CUSTOM``), whether /v1/systemone reads each request's state once, and the
-  Gated DeltaNet prefill kernel.
+``D3ForSequenceClassificationConfig`` extends 0.33.0's class of the same name.
+``causal`` and ``noncausal_full_attention`` go through 0.33.0's contract
+unchanged. ``prefix_bidir`` goes through it as a causal checkpoint (the text
+layers stay decoder attention, reading per-request PrefixLM ranges), then the
+model is marked non-causal so that chunked prefill and prefix caching default
+to off; ``validated_length`` becomes ``max_model_len`` where the user gave
+none, and the d3-ultra fields are checked (``d3_contract``). At the
+``VllmConfig`` level a prefix_bidir checkpoint refuses what it cannot be
+served with (``check_prefix_bidir_serving``), then ``select_prefix_bidir_serving``
+(``d3_serving``) picks its attention, its reads and its GDN prefill kernel.
 """
 
 from typing import TYPE_CHECKING
@@ -27,7 +20,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 from vllm.model_executor.models import config as upstream
 
-from vllm_d3 import installed_hooks, owns_custom_backend
+from vllm_d3.registration import installed_hooks, owns_custom_backend
 
 from .d3_contract import (
     apply_validated_length,

@@ -2,30 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Decision 3.0's ``decision_config.json`` rules and the state-size contract.
 
-Functions over a checkpoint's ``decision_config.json`` (a dict), shared by the
-config hook (start-up), the read strategy (API server) and the worker:
-
-- ``decision_config_of``: the file as vLLM attached it to ``hf_config``, if any.
-- ``attention_mode_of``: the declared attention mode (``causal`` when absent).
-- ``validated_length_of``: the declared ``validated_length`` (a positive int) or None;
-  ``apply_validated_length`` makes it ``max_model_len`` where the user gave none.
-- ``check_prefix_bidir_serving``: the engine options a prefix_bidir checkpoint
-  refuses (Model Runner V1, prefix caching, chunked prefill).
-- ``check_prompt_layout``: only the ``d3`` layout (or none) is understood.
-- ``temperature_schedule_of``: the d3-ultra ``temperature_by_questions`` rule or None.
-- ``state_tokens_of``: the ``d3_state_tokens`` a prefix_bidir request must carry.
-- ``attention_kernel_of``: the ``d3_attention_kernel`` switch of
-  ``--additional-config`` (``auto`` when absent).
-- ``state_once_of``: the ``d3_state_once`` switch of ``--additional-config``
-  (the user's, true when absent); ``state_once_decided``: the config hook's
-  decision, written back under the same key (no when absent).
-- ``question_ends_of``: the ``d3_question_ends`` of a packed request (the state
-  read once, then several question blocks), or the one question of any other.
-- ``StateBlock``: one request's state size and question block ends, with the
-  blocks and ranges they give (the worker's one home for that rule).
-
-Every malformed value raises ``ValueError`` naming the field and the value; nothing
-is ignored or clamped.
+Functions over a checkpoint's ``decision_config.json`` (a dict) and the
+plugin's ``--additional-config`` switches, shared by the config hook
+(start-up), the read strategy (API server) and the worker: the declared
+attention mode, ``validated_length``, prompt layout and d3-ultra temperature
+schedule; the engine options prefix_bidir refuses; the ``d3_state_tokens``
+and ``d3_question_ends`` a request carries, and ``StateBlock``, the worker's
+one home for the blocks and ranges they give. Every malformed value raises
+``ValueError`` naming the field and the value; nothing is ignored or clamped.
 """
 
 import math
@@ -52,9 +36,12 @@ QUESTION_ENDS_KEY = "d3_question_ends"
 #: (``false``: one engine request per question). The config hook replaces it
 #: with what the server does.
 STATE_ONCE_KEY = "d3_state_once"
-#: ``--additional-config`` key that forces the dense-piece attention's kernel;
-#: the config hook writes back the one it chose (``ranged``: none).
+#: ``--additional-config`` key that forces the dense-piece attention's kernel.
 ATTENTION_KERNEL_KEY = "d3_attention_kernel"
+#: Where the config hook writes what it decided for the engine, under the two
+#: switches' keys (the kernel, ``ranged`` for none; whether the state is read
+#: once); the user's switches stay as given.
+DECIDED_KEY = "d3_decided"
 #: Its values besides a kernel's name: the platform's choice, or vLLM's ranged
 #: attention with one engine request per question.
 AUTO_KERNEL, RANGED_KERNEL = "auto", "ranged"
@@ -74,6 +61,7 @@ def decision_config_of(hf_config: Any) -> Mapping[str, Any] | None:
 
 
 def attention_mode_of(decision: Mapping[str, Any]) -> str:
+    """The declared attention mode; ``causal`` when absent."""
     return decision.get("attention_mode", "causal")
 
 
@@ -82,6 +70,7 @@ def is_prefix_bidir(decision: Any) -> TypeGuard[Mapping[str, Any]]:
 
 
 def validated_length_of(decision: Mapping[str, Any]) -> int | None:
+    """The declared ``validated_length``, a positive int, or None."""
     value = decision.get("validated_length")
     if value is None:
         return None
@@ -159,6 +148,7 @@ def check_prefix_bidir_serving(vllm_config: "VllmConfig") -> None:
 
 
 def check_prompt_layout(decision: Mapping[str, Any]) -> None:
+    """Only the ``d3`` prompt layout (or none declared) is understood."""
     if "prompt_layout" not in decision:
         return
     layout = decision["prompt_layout"]
@@ -189,6 +179,7 @@ class TemperatureSchedule:
 
 
 def temperature_schedule_of(decision: Mapping[str, Any]) -> TemperatureSchedule | None:
+    """d3-ultra's ``temperature_by_questions`` rule, or None."""
     if "temperature_by_questions" not in decision:
         return None
     value = decision["temperature_by_questions"]
@@ -302,13 +293,18 @@ def attention_kernel_of(additional_config: Any, kernels: tuple[str, ...]) -> str
     return value
 
 
+def decided(additional_config: Any) -> dict[str, Any]:
+    """What the config hook decided for this engine (``DECIDED_KEY``; empty
+    before it ran)."""
+    if not isinstance(additional_config, Mapping):
+        return {}
+    value = additional_config.get(DECIDED_KEY)
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
 def state_once_decided(additional_config: Any) -> bool:
-    """Whether requests are read state once: the config hook's decision, which
-    it writes back as ``additional_config["d3_state_once"]`` (absent: no)."""
-    return (
-        isinstance(additional_config, Mapping)
-        and additional_config.get(STATE_ONCE_KEY) is True
-    )
+    """Whether requests are read state once, as the config hook decided."""
+    return decided(additional_config).get(STATE_ONCE_KEY) is True
 
 
 #: Per batch row, the ranges ``StateBlock.ranges`` gives (inclusive ends).

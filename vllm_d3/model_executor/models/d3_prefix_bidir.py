@@ -4,19 +4,14 @@
 (upstream: ``model_executor/models/d3_prefix_bidir.py``, a new file).
 
 ``serve_prefix_bidir(model)``, which ``D3ForSequenceClassification.__init__``
-calls for a ``prefix_bidir`` checkpoint, gives the instance:
-
-- ``get_model_state_cls`` (the Model Runner V2 hook), returning
-  ``D3PrefixBidirModelState``;
-- a classify pooler that reads a packed request (``state || q1 || ... || qQ``,
-  the state read once for several questions, ``d3_question_ends`` in its
-  ``PoolingParams.extra_kwargs``) out once per question
-  (``PackedReadoutPooler``): the answer-code readout at the last token of every
-  question block, the ``Q * num_codes`` logits flat, question by question; every
-  other request gets 0.33.0's readout at its last token.
-
-Its Gated DeltaNet layers restart each question of a packed request from the
-state on their own (``layers/mamba/gdn/packed_questions.py``).
+calls for a ``prefix_bidir`` checkpoint, gives the instance
+``get_model_state_cls`` (the Model Runner V2 hook, returning
+``D3PrefixBidirModelState``) and a classify pooler (``PackedReadoutPooler``)
+that reads a packed request (``state || q1 || ... || qQ``) out at the last
+token of every question block, ``Q * num_codes`` logits flat; every other
+request gets 0.33.0's readout at its last token. Its Gated DeltaNet layers
+restart each question from the state on their own
+(``layers/mamba/gdn/packed_questions.py``).
 """
 
 from collections.abc import Set

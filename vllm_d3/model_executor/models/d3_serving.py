@@ -4,12 +4,13 @@
 hook (upstream: ``model_executor/models/d3_serving.py``, a new file).
 
 ``select_prefix_bidir_serving(vllm_config)`` writes each decision into the
-config, so that every process agrees, and logs it with its reason: the
-full-attention layers on the dense-piece backend and its kernel
-(``additional_config["d3_attention_kernel"]``: forced by the user, else the
-GPU's first that runs, checked at start-up off Hopper; ``ranged`` where vLLM's
-own selection stays); whether /v1/systemone reads each state once
-(``d3_state_once``, only on the dense pieces); the Gated DeltaNet prefill on
+config (``additional_config["d3_decided"]``, beside the user's switches), so
+that every process agrees, and logs it with its reason: the full-attention
+layers on the dense-piece backend and its kernel (``d3_attention_kernel``:
+forced by the user, else the GPU's first that runs, checked at start-up off
+Hopper; ``ranged`` where vLLM's own selection stays); whether /v1/systemone
+reads each state once (``d3_state_once``, only on the dense pieces); the Gated
+DeltaNet prefill on
 Triton/FLA unless chosen; expandable segments for the engine's CUDA caching
 allocator unless the user's settings name them or a KV connector is on.
 Other checkpoints are left as they are.
@@ -30,6 +31,7 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from vllm_d3.model_executor.models.d3_contract import (
     ATTENTION_KERNEL_KEY,
     AUTO_KERNEL,
+    DECIDED_KEY,
     RANGED_KERNEL,
     STATE_ONCE_KEY,
     attention_kernel_of,
@@ -64,7 +66,8 @@ def select_prefix_bidir_serving(
 
 
 def _additional_config(vllm_config: "VllmConfig") -> dict[str, Any]:
-    """``--additional-config``, where the decisions are written."""
+    """``--additional-config``: the user's switches, and where the decisions
+    are written."""
     extra = vllm_config.additional_config
     if not isinstance(extra, dict):
         raise ValueError(
@@ -72,6 +75,15 @@ def _additional_config(vllm_config: "VllmConfig") -> dict[str, Any]:
             f"{type(extra).__name__}"
         )
     return extra
+
+
+def _decisions(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """The config hook's decisions (``DECIDED_KEY``), apart from the switches."""
+    extra = _additional_config(vllm_config)
+    decisions = extra.get(DECIDED_KEY)
+    if not isinstance(decisions, dict):
+        decisions = extra[DECIDED_KEY] = {}
+    return decisions
 
 
 def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -> bool:
@@ -112,7 +124,7 @@ def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -
         raise ValueError(
             f"{chooser} {forced!r} cannot serve the D3 prefix_bidir attention: {reason}"
         )
-    extra[ATTENTION_KERNEL_KEY] = kernel or RANGED_KERNEL
+    _decisions(vllm_config)[ATTENTION_KERNEL_KEY] = kernel or RANGED_KERNEL
     if kernel is None:
         logger.info(
             "D3 prefix_bidir: full-attention layers on vLLM's own selection "
@@ -176,8 +188,8 @@ def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
         why_not = "reading the state once needs the dense-piece attention"
     else:
         why_not = None
-    extra[STATE_ONCE_KEY] = why_not is None
-    if why_not is None:
+    state_once = _decisions(vllm_config)[STATE_ONCE_KEY] = why_not is None
+    if state_once:
         logger.info(
             "D3 prefix_bidir: /v1/systemone reads each request's state once (the "
             "questions packed into one engine request). --additional-config "
@@ -198,7 +210,7 @@ def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
             "another)",
             VALIDATED_GDN_PREFILL_BACKEND,
         )
-    elif chosen != VALIDATED_GDN_PREFILL_BACKEND and extra[STATE_ONCE_KEY]:
+    elif chosen != VALIDATED_GDN_PREFILL_BACKEND and state_once:
         logger.warning(
             "D3 prefix_bidir: --gdn-prefill-backend %s was chosen; the state-once "
             "path restarts each question from the state on it unvalidated (it was "

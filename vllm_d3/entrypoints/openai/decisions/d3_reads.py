@@ -4,37 +4,14 @@
 more than one plain encode per question
 (upstream: ``entrypoints/openai/decisions/d3_reads.py``, a new file).
 
-``D3StateBlockReads`` is a base of ``D3Strategy``. ``init_state_blocks()`` (at
-the end of the strategy's ``__init__``) reads the checkpoint's decision config;
-where ``reads_state_blocks`` holds, ``read`` hands its rendered engine inputs to
-``read_state_blocks`` instead of sending one plain encode per question:
-
-- for ``prefix_bidir``, the state block size ``s`` is counted once with the
-  checkpoint runtime's rule (``state_block_size``: the leading tokens whose
-  text ends at or before the end of the state text; a token that joins the
-  state's last character to the question block belongs to the question; the
-  system turn and the media come first, so they are inside the state) and
-  every prompt must share its first ``s`` tokens;
-- **state once**, where the config hook decided it
-  (``additional_config["d3_state_once"]`` is true): the questions are packed
-  into one engine request ``state || q1 || ... || qQ`` with
-  ``d3_state_tokens = s`` and ``d3_question_ends``; the engine returns the code
-  logits of every question, flat. A pack longer than the engine takes in one
-  step (``max_model_len``, ``max_num_batched_tokens``) is split into several
-  packs, each reading the state again, and the log says so;
-- **per question** otherwise: one encode per question (request ids
-  ``f"{request_id}-{n}"``), its params carrying ``d3_state_tokens = s``;
-- ``temperature_for(Q)``: with ``temperature_by_questions`` (d3-ultra) the
-  request's question count picks the temperature its logits are divided by;
-- ``question_tokens``: for prefix_bidir, ``read`` tokenizes each question's
-  prompt as the head every question of the request shares (up to
-  ``SHARED_HEAD_END``), tokenized once, and the question's own tail. The
-  strategy's first split is checked against tokenizing the whole prompt; if
-  they differ it tokenizes whole prompts from then on, and the log says so.
-
-``read_state_blocks`` returns each question's code logits and the tokens the
-engine computed for it (``usage.input_tokens``): a pack's state once, with its
-first question.
+``D3StateBlockReads``, a base of ``D3Strategy``: where
+``needs_state_block_reads`` holds (prefix_bidir, or d3-ultra's
+``temperature_by_questions``), ``read`` hands its rendered engine inputs to
+``read_state_blocks``, which returns each question's code logits and the
+tokens the engine computed for it. For prefix_bidir every prompt must share
+its state block (``state_tokens``); with state once (the config hook's
+decision) the questions go packed into as few engine requests as one step
+holds (``_plan``), otherwise one encode per question carries the state size.
 """
 
 import asyncio
@@ -74,7 +51,10 @@ SHARED_HEAD_END = "\n\nQuestion"
 
 
 def state_block_size(offsets: Sequence[tuple[int, int]], state_end: int) -> int:
-    """How many leading tokens end at or before character ``state_end``."""
+    """How many leading tokens end at or before character ``state_end``: the
+    checkpoint runtime's rule (a token that joins the state's last character
+    to the question block belongs to the question; the system turn and the
+    media come first, so they are inside the state)."""
     count = 0
     for _, end in offsets:
         if end > state_end:
@@ -123,6 +103,8 @@ class D3StateBlockReads:
         def _prompt(self, state: str, q: Question, placeholders: list[str]) -> str: ...
 
     def init_state_blocks(self) -> None:
+        """Read the checkpoint's decision config (at the end of the strategy's
+        ``__init__``)."""
         engine_client = self.context.engine_client
         decision = engine_client.model_config.hf_config.decision_config
         vllm_config = engine_client.vllm_config
@@ -144,10 +126,12 @@ class D3StateBlockReads:
         self.engine_client = engine_client
 
     @property
-    def reads_state_blocks(self) -> bool:
+    def needs_state_block_reads(self) -> bool:
         return self.prefix_bidir or self.temperature_schedule is not None
 
     def temperature_for(self, num_questions: int) -> float:
+        """The temperature a request of ``num_questions`` questions divides its
+        logits by (d3-ultra's ``temperature_by_questions``, else the config's)."""
         if self.temperature_schedule is None:
             return self.temperature
         return self.temperature_schedule.temperature_for(num_questions)
@@ -155,8 +139,10 @@ class D3StateBlockReads:
     def question_tokens(
         self, text: str, encode: Callable[[str], list[int]]
     ) -> list[int]:
-        """``encode(text)`` for a question prompt's text, its shared head
-        encoded once for consecutive prompts that share it."""
+        """``encode(text)`` for a question prompt's text, its shared head (up to
+        ``SHARED_HEAD_END``) encoded once for consecutive prompts that share
+        it. The first split is checked against encoding the whole text; if
+        they differ, whole texts from then on, and the log says so."""
         cut = text.find(SHARED_HEAD_END + ":")
         if self.splits_heads is False or cut < 0:
             return encode(text)
@@ -234,7 +220,12 @@ class D3StateBlockReads:
         media: Any,
         request_id: str,
     ) -> tuple[list[_Read], list[int]]:
-        """The engine requests of one read, and the tokens each question costs."""
+        """The engine requests of one read, and the tokens each question costs:
+        per question, request ids ``f"{request_id}-{n}"``, each with
+        ``d3_state_tokens`` for prefix_bidir; state once, packs ``state || q1
+        || ... || qQ`` with ``d3_question_ends``, as many as ``max_model_len``
+        and ``max_num_batched_tokens`` need (each reading the state again, and
+        logged), a pack's state counted with its first question."""
         ids = [engine_input["prompt_token_ids"] for engine_input in engine_inputs]
         computed_tokens = [len(prompt) for prompt in ids]
         if not self.prefix_bidir:

@@ -4,27 +4,15 @@
 (upstream: ``entrypoints/openai/decisions/strategies.py``, an edit: the series'
 strategy commit, ``vllm_d3.export.series``).
 
-In-tree, ``D3Strategy`` derives from ``D3StateBlockReads`` (``d3_reads.py``) and
-its ``read`` hands the engine inputs it rendered to ``read_state_blocks`` where
-the checkpoint needs it, then divides the logits by ``temperature_for(Q)``.
-This module gives vLLM 0.33.0 the same without editing ``read``: its
-``D3Strategy`` extends 0.33.0's class of the same name, replaces it in
-``READ_STRATEGIES``, and keeps 0.33.0's own ``read``. That renders every
-question's prompt (media read once) and sends one classify ``encode`` per
-question, request ids ``f"{request_id}-{n}"``, concurrently. The plugin changes
-only what those calls reach, through the strategy's engine client
-(``_ReadingEngineClient``):
-
-- a ``causal`` or ``noncausal_full_attention`` checkpoint without
-  ``temperature_by_questions`` keeps vLLM's engine client: nothing changes;
-- otherwise a request's encodes are gathered (``_RequestReads``) and handed to
-  ``read_state_blocks`` together; each question's logits come back to 0.33.0's
-  ``read`` scaled by ``temperature / temperature_for(Q)``, so that its division
-  by ``temperature`` divides them by ``temperature_for(Q)``, and its
-  ``usage.input_tokens`` is set to what the engine computed.
-
-Its ``_tokens`` tokenizes a prefix_bidir question prompt's shared head once for
-the request's questions (``question_tokens``); the tokens are 0.33.0's.
+In-tree, ``D3Strategy.read`` hands its rendered engine inputs to
+``read_state_blocks`` (``d3_reads.py``) where the checkpoint needs it. Here,
+without editing 0.33.0's ``read`` (which renders every question's prompt and
+sends one classify encode per question, concurrently), ``D3Strategy`` extends
+0.33.0's class, replaces it in ``READ_STRATEGIES`` and keeps that ``read``;
+where ``needs_state_block_reads`` holds, its encodes reach
+``_ReadingEngineClient``, which gathers a request's encodes
+(``_RequestReads``) and reads them together. A causal or noncausal checkpoint
+without ``temperature_by_questions`` keeps vLLM's engine client.
 """
 
 import asyncio
@@ -46,7 +34,11 @@ from vllm_d3.entrypoints.openai.decisions.d3_reads import D3StateBlockReads
 
 
 class _RequestReads:
-    """One ``read``'s encodes: gathered, then read together."""
+    """One ``read``'s encodes: gathered, then read together by
+    ``read_state_blocks``. Each question's logits go back to 0.33.0's ``read``
+    scaled by ``temperature / temperature_for(Q)`` (its division by
+    ``temperature`` then divides them by ``temperature_for(Q)``), with the
+    tokens the engine computed for it as its usage."""
 
     def __init__(
         self,
@@ -118,7 +110,8 @@ class _RequestReads:
 
 
 class _ReadingEngineClient:
-    """The engine client as ``D3Strategy.read`` sees it: its encodes go to the
+    """The engine client as ``D3Strategy.read`` sees it: its encodes (request
+    ids ``f"{request_id}-{n}"``, as 0.33.0's ``read`` names them) go to the
     request's ``_RequestReads``; everything else is vLLM's engine client."""
 
     def __init__(self, engine_client: Any, strategy: "D3Strategy") -> None:
@@ -150,12 +143,13 @@ class D3Strategy(upstream.D3Strategy, D3StateBlockReads):
         self.init_state_blocks()
         #: The reads in flight, by request id.
         self.requests: dict[str, _RequestReads] = {}
-        if self.reads_state_blocks:
+        if self.needs_state_block_reads:
             reading: Any = _ReadingEngineClient(self.engine_client, self)
             self.context = replace(context, engine_client=reading)
 
     def _tokens(self, text: str) -> list[int]:
-        # A request's questions share their head (d3_reads.py).
+        # A request's questions share their head, tokenized once (d3_reads.py);
+        # the tokens are 0.33.0's.
         return self.question_tokens(text, super()._tokens)
 
     def logit_scale(self, num_questions: int) -> float:

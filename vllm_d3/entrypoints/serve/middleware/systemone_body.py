@@ -3,32 +3,14 @@
 """/v1/systemone bodies as existing clients send them (new upstream, beside
 ``entrypoints/serve/middleware/authenticate.py``).
 
-``SystemOneBodyMiddleware`` is a pure ASGI middleware that acts on
+``SystemOneBodyMiddleware``, a pure ASGI middleware, acts on
 ``POST /v1/systemone`` only and hands vLLM's route the plain JSON body it reads:
-
-- ``Content-Encoding: zstd`` or ``gzip``: the body is decompressed as it
-  arrives, its output capped at ``max_body_bytes`` (413 past it, before more is
-  decompressed); concatenated frames or members are one body, a corrupt or
-  truncated stream is a 400. Any other encoding but ``identity`` is a 415
-  naming it.
-- ``multipart/form-data`` (also capped at ``max_body_bytes``): the part
-  ``request`` is the JSON request. Its ``assets`` map each asset to a part,
-  ``{KEY: {"type": "image", "part": PART}}``, each part one asset's. An asset
-  is referenced by its key (the SDK writes an image given a name as that name,
-  any other as its ``<image:ID>`` key) or, for a key not written ``<...>``, by
-  ``{KEY}``; a bare name is a reference only as a whole string, since it may
-  also be a word. A reference that is the whole state, or a whole element of a
-  state array, becomes the request's next image (a data URL in ``images``, in
-  order of reference), and the state becomes the array's other elements, text
-  only, concatenated ("" for none). Every other use is a 400 that names it: a
-  reference anywhere else (inside a longer string, in instructions, in
-  criteria), an asset never referenced, an asset whose part is missing, a part
-  no asset names, a part vLLM's image loader does not read, a request that also
-  carries ``images``, a body without a ``request`` part. The checkpoint
-  runtime's placement of other uses is not public, and a guess would give
-  wrong answers silently.
-- Any other request, a plain JSON body among them, passes through untouched.
-
+a ``zstd`` or ``gzip`` body decompressed as it arrives (``_Decompressor``), a
+``multipart/form-data`` body turned into its JSON request with the image
+assets it references (``json_of_form``), both capped at ``max_body_bytes``
+(413 past it). Any other content encoding but ``identity`` is a 415; a body
+that cannot be read as the checkpoint runtime would is a 400 that names what
+is wrong, never a guess. Any other request passes through untouched.
 Refusals are vLLM's JSON error bodies (``create_error_response``), logged at
 INFO.
 """
@@ -130,7 +112,9 @@ def add_systemone_body_middleware(app: FastAPI) -> None:
 
 class _Decompressor:
     """A Content-Encoding's incremental decompressor over all of a body's
-    frames (zstd) or members (gzip)."""
+    frames (zstd) or members (gzip), which are one body; its output is capped
+    by the caller before more is decompressed, and a corrupt or truncated
+    stream is a 400."""
 
     def __init__(self, encoding: str) -> None:
         self.encoding = encoding
@@ -345,7 +329,23 @@ def _image_data_url(part: str, data: bytes) -> str:
 
 
 def json_of_form(body: bytes, content_type: str) -> bytes:
-    """The JSON request of a multipart/form-data /v1/systemone body."""
+    """The JSON request of a multipart/form-data /v1/systemone body.
+
+    The part ``request`` is the JSON request. Its ``assets`` map each asset to
+    a part, ``{KEY: {"type": "image", "part": PART}}``, each part one asset's.
+    An asset is referenced by its key (the SDK writes an image given a name as
+    that name, any other as its ``<image:ID>`` key) or, for a key not written
+    ``<...>``, by ``{KEY}``; a bare name is a reference only as a whole string,
+    since it may also be a word. A reference that is the whole state, or a
+    whole element of a state array, becomes the request's next image (a data
+    URL in ``images``, in order of reference), and the state becomes the
+    array's other elements, text only, concatenated ("" for none). Every other
+    use is a 400 that names it: a reference anywhere else (inside a longer
+    string, in instructions, in criteria), an asset never referenced, an asset
+    whose part is missing, a part no asset names, a part vLLM's image loader
+    does not read, a request that also carries ``images``, a body without a
+    ``request`` part. The checkpoint runtime's placement of other uses is not
+    public, and a guess would give wrong answers silently."""
     parts = _FormParts().read(body, content_type)
     if REQUEST_PART not in parts:
         raise BodyRefused(f"the {FORM} body has no {REQUEST_PART!r} part")

@@ -37,8 +37,10 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from vllm_d3.model_executor.models.d3_contract import (
     ATTENTION_KERNEL_KEY,
+    DECIDED_KEY,
     PrefixRanges,
     StateBlock,
+    decided,
 )
 from vllm_d3.v1.attention.backends.d3_dense_kernels import (
     CHECK_TOLERANCE,
@@ -229,11 +231,12 @@ def run_dense_pieces(
 def selected_kernel_name() -> str:
     """The kernel the config hook chose for this engine."""
     extra = get_current_vllm_config().additional_config
-    name = extra.get(ATTENTION_KERNEL_KEY) if isinstance(extra, dict) else None
+    name = decided(extra).get(ATTENTION_KERNEL_KEY)
     if not isinstance(name, str):
         raise RuntimeError(
             f"the D3 dense-piece attention needs additional_config "
-            f"{ATTENTION_KERNEL_KEY}, which the D3 config hook writes"
+            f"{DECIDED_KEY}[{ATTENTION_KERNEL_KEY!r}], which the D3 config hook "
+            "writes"
         )
     return name
 

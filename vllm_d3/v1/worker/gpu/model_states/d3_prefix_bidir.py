@@ -3,37 +3,17 @@
 """Model Runner V2 state for D3 prefix_bidir checkpoints
 (upstream: ``v1/worker/gpu/model_states/d3_prefix_bidir.py``, a new file).
 
-``D3PrefixBidirModelState`` derives from ``MambaHybridModelState``, the state vLLM
-picks for Qwen3.5, so the hybrid bookkeeping (Mamba "align" seeding and pre-copy,
-spec-decode counters) is kept as it is. On top of it:
-
-- ``add_request`` reads the request's ``PoolingParams.extra_kwargs``: its
-  ``d3_state_tokens`` (``s``, validated by ``state_tokens_of``: an int,
-  ``1 <= s <= n``) and, for a packed request (``state || q1 || ... || qQ``, the
-  state read once for several questions), its ``d3_question_ends``
-  (``question_ends_of``). It keeps them per request id until
-  ``remove_request``. vLLM's own warm-up requests carry no size; they are split
-  in the middle, which compiles the ranged kernels.
-- A packed request's question tokens get the M-RoPE positions they have in
-  their own prompt ``state || qi``: the position after the state's last, plus
-  the offset in the block (staged beside the state's own positions, before the
-  runner applies the step's staged writes).
-- ``prefix_ranges`` gives, per batch row, the state range then one range per
-  question block, with the inclusive ends the attention backends take:
-  ``[(0, s - 1), (s, e1 - 1), (e1, e2 - 1), ...]``. For one question these are
-  vLLM's PrefixLM ranges (causal OR both ways inside one range): the state reads
-  itself both ways, the question reads the state and itself both ways, the
-  state never sees the question. A packed row means the same per question
-  (each reads the state and itself), which only the dense-piece backend runs.
-  No image ranges are added: they lie inside the state block and ranges must
-  not overlap.
-- ``get_mm_prefix_ranges`` returns those ranges for the step's rows (``None``
-  when no row has any: the runner's dummy rows), and the hybrid state's
-  ``prepare_attn`` hands them to the attention groups' metadata builders (the
-  hook of ``model_states/mamba_hybrid.py``). Gated DeltaNet groups never read
-  ranges and stay causal; in a step with packed rows ``prepare_attn`` gives
-  their metadata the two phases that restart every question from the state
-  (``model_executor/layers/mamba/gdn``).
+``D3PrefixBidirModelState`` derives from ``MambaHybridModelState``, the state
+vLLM picks for Qwen3.5, keeping its hybrid bookkeeping. It keeps each request's
+``d3_state_tokens`` and ``d3_question_ends`` (``add_request``), gives a packed
+request's questions the M-RoPE positions they have in their own prompt
+``state || qi``, and hands the step's PrefixLM ranges to the attention
+builders (``get_mm_prefix_ranges``): per row the state range, then one range
+per question block. The state reads itself both ways, each question reads the
+state and itself both ways, and the state never sees a question; a packed row
+only the dense-piece backend runs. Gated DeltaNet groups stay causal; in a
+step with packed rows they get the two phases that restart every question from
+the state (``model_executor/layers/mamba/gdn``).
 """
 
 from dataclasses import replace
@@ -123,6 +103,10 @@ class D3PrefixBidirModelState(MambaHybridModelState):
         self.state_blocks.pop(req_id, None)
 
     def prefix_ranges(self, req_ids: list[str]) -> PrefixRanges:
+        """Per row ``[(0, s - 1), (s, e1 - 1), (e1, e2 - 1), ...]``, the
+        inclusive ends the attention backends take; for one question these are
+        vLLM's PrefixLM ranges. No image ranges: they lie inside the state
+        block, and ranges must not overlap."""
         ranges: PrefixRanges = {}
         for row, req_id in enumerate(req_ids):
             block = self.state_blocks.get(req_id)

@@ -5,23 +5,14 @@
 an edit: the series' ``get_mm_prefix_ranges`` commit, ``vllm_d3.export.series``).
 
 In-tree, ``DefaultModelState.get_mm_prefix_ranges(input_batch)`` returns the
-step's PrefixLM ranges per batch row (or ``None``), ``prepare_attn`` passes them
-to ``build_attn_metadata``, and the hybrid state's ``prepare_attn`` does too. This
-module gives the plugin that hook without editing vLLM: its
-``MambaHybridModelState`` is 0.33.0's, plus
-
-- ``get_mm_prefix_ranges``, ``None`` here: 0.33.0's hybrid state passes no
-  ranges (in-tree the default is the multimodal ranges ``DefaultModelState``
-  computes inline in 0.33.0; a subclass overrides it either way);
-- ``prepare_attn``, which hands the hook's ranges to the attention groups'
-  builders. 0.33.0's hybrid ``prepare_attn`` calls ``build_attn_metadata``
-  with no ranges and has no parameter for them, so each attention group is
-  wrapped (``_RangedAttentionGroup``) to set
-  ``CommonAttentionMetadata.mm_req_doc_ranges`` before its builder runs. Mamba
-  groups stay as they are: their builders never read ranges.
-
-A module of the series that imports ``MambaHybridModelState`` from here imports
-0.33.0's own class in-tree, where the hook is the class's.
+step's PrefixLM ranges per batch row (or ``None``) and both states'
+``prepare_attn`` pass them to ``build_attn_metadata``. Here, without editing
+vLLM, ``MambaHybridModelState`` is 0.33.0's plus the hook (``None``: 0.33.0's
+hybrid state passes no ranges; a subclass overrides it) and a ``prepare_attn``
+that hands the ranges to each attention group's builder
+(``_RangedAttentionGroup``, since 0.33.0's has no parameter for them). A module
+of the series that imports ``MambaHybridModelState`` from here imports 0.33.0's
+own class in-tree.
 """
 
 from typing import Any
@@ -38,7 +29,9 @@ from vllm_d3.model_executor.models.d3_contract import PrefixRanges
 
 
 class _RangedAttentionGroup:
-    """An attention group whose metadata carries this step's PrefixLM ranges."""
+    """An attention group whose metadata carries this step's PrefixLM ranges:
+    ``CommonAttentionMetadata.mm_req_doc_ranges``, set before its builder runs.
+    Mamba groups are not wrapped: their builders never read ranges."""
 
     def __init__(self, group: AttentionGroup, ranges: PrefixRanges) -> None:
         self._group = group
