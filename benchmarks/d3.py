@@ -58,6 +58,7 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -311,21 +312,14 @@ def server_groups(
 
 def _run_vllm(
     args: argparse.Namespace,
-    sides: list[str],
-    checkpoint: Path,
-    rows: list[Row],
-    loads: list[Load],
-    requests: dict[str, list[dict[str, Any]]],
-    startup_request: dict[str, Any],
-    *,
-    word_ratio: float,
-    state_scale: float,
+    plan: Plan,
     budget: Budget,
     progress: Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], object],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The servers of the vLLM ``sides`` (by name), their row results and load
-    results (by side, then id); ``progress`` gets the three so far after each
-    row, load and server."""
+    """The servers of the plan's vLLM sides (by name), their row results and
+    load results (by side, then id); ``progress`` gets the three so far after
+    each row, load and server."""
+    sides, loads = plan.vllm_sides, plan.loads
     servers: dict[str, Any] = {}
     row_results: dict[str, dict[str, Any]] = {side: {} for side in sides}
     load_results: dict[str, dict[str, Any]] = {side: {} for side in sides}
@@ -346,8 +340,8 @@ def _run_vllm(
                     ROWS_BY_ID[row_id],
                     args.pool,
                     seed=args.seed,
-                    words_per_token=word_ratio,
-                    state_scale=state_scale,
+                    words_per_token=plan.word_ratio,
+                    state_scale=plan.state_scale,
                     first_index=POOL_OFFSET,
                 )
                 for row_id in MIXES[mix]
@@ -356,7 +350,7 @@ def _run_vllm(
         for mix in sorted({load.mix for load in loads})
     }
     groups = server_groups(
-        args.smoke, sides, rows, loads, args.serve_arg, args.one_server
+        args.smoke, sides, plan.rows, loads, args.serve_arg, args.one_server
     )
     for side, name, flags, group_rows, group_loads in groups:
         if budget.exhausted():
@@ -366,14 +360,14 @@ def _run_vllm(
                 load_results[side][load.id] = {"status": "skipped (time budget)"}
             continue
         servers[name] = run_group(
-            str(checkpoint),
+            str(plan.checkpoint),
             name,
             flags,
             group_rows,
-            requests,
+            plan.requests,
             group_loads,
             pools,
-            startup_request,
+            plan.startup_request,
             warmup=args.warmup,
             long_warmup=args.vllm_long_warmup,
             budget=budget,
@@ -459,22 +453,32 @@ def _throughput_entry(
     }
 
 
-def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    out: Path = args.out
-    work: Path = args.work or out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    cuda = torch.cuda.is_available()
-    budget = Budget(args.time_budget)
+@dataclasses.dataclass
+class Plan:
+    """What a run sends and to whom, worked out before anything is timed."""
+
+    checkpoint: Path
+    weights: str
+    state_scale: float
+    word_ratio: float
+    rows: list[Row]
+    loads: list[Load]
+    requests: dict[str, list[dict[str, Any]]]
+    startup_request: dict[str, Any]
+    #: Per row, each request's token counts (``token_accounting``).
+    accounting: dict[str, list[dict[str, Any]]]
+    vllm_sides: list[str]
+    ref_device: str
+    ref_dtype: torch.dtype
+
+
+def make_plan(args: argparse.Namespace, work: Path) -> Plan:
     checkpoint = prepare_checkpoint(args, work)
-    weights = "weights loaded" if has_weights(checkpoint) else "random weights"
     renderer = RandomInitRuntime(checkpoint, device="meta")
     scale = SMOKE_STATE_SCALE if args.smoke else 1.0
     word_ratio = words_per_token(renderer.tokenizer)
     rows = [ROWS_BY_ID[i] for i in select(ROWS_BY_ID, args.patterns)]
     load_ids = select([load.id for load in THROUGHPUT_ROWS], args.patterns)
-    loads = [load for load in THROUGHPUT_ROWS if load.id in load_ids]
-
     log(f"building requests for {len(rows)} rows")
     requests = {
         row.id: row_requests(
@@ -486,92 +490,136 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         )
         for row in rows
     }
-    startup_request = row_requests(
-        STARTUP_ROW, 1, seed=args.seed, words_per_token=word_ratio
-    )[0]
     accounting = {
         row_id: [token_accounting(renderer.render(r)) for r in batch]
         for row_id, batch in requests.items()
     }
     log("requests rendered (tokens per request counted)")
-
-    vllm_sides = [side for side in VLLM_SIDES if side in args.sides] if cuda else []
-    reference: dict[str, Any] = {"status": "not run (--sides)", "rows": {}}
+    cuda = torch.cuda.is_available()
     # transformers binds flash-linear-attention's CUDA kernels wherever it is
     # installed, so with CUDA the reference runs there, smoke runs included.
     ref_device = args.reference_device or ("cuda" if cuda else "cpu")
-    ref_dtype = torch.bfloat16 if ref_device == "cuda" else torch.float32
-    if "reference" in args.sides:
-        log(f"reference on {ref_device} ({ref_dtype}), {weights}")
-        threads = torch.get_num_threads()
-        if args.smoke:
-            # The tiny model's matrices are too small to gain from threads.
-            torch.set_num_threads(1)
-        try:
-            reference = run_reference(
-                checkpoint,
-                rows,
-                requests,
-                startup_request,
-                device=ref_device,
-                dtype=ref_dtype,
-                warmup=args.warmup,
-                budget=budget.share(args.reference_share) if vllm_sides else budget,
-                seed=args.seed,
-            )
-        finally:
-            torch.set_num_threads(threads)
+    return Plan(
+        checkpoint=checkpoint,
+        weights="weights loaded" if has_weights(checkpoint) else "random weights",
+        state_scale=scale,
+        word_ratio=word_ratio,
+        rows=rows,
+        loads=[load for load in THROUGHPUT_ROWS if load.id in load_ids],
+        requests=requests,
+        startup_request=row_requests(
+            STARTUP_ROW, 1, seed=args.seed, words_per_token=word_ratio
+        )[0],
+        accounting=accounting,
+        vllm_sides=[s for s in VLLM_SIDES if s in args.sides] if cuda else [],
+        ref_device=ref_device,
+        ref_dtype=torch.bfloat16 if ref_device == "cuda" else torch.float32,
+    )
 
-    pending = {"status": "pending (vLLM has not run yet)"}
-    not_run = {"status": "not run (--sides)" if cuda else NOT_RUN_NO_CUDA}
+
+def reference_results(args: argparse.Namespace, plan: Plan, budget: Budget) -> dict:
+    """The reference side's rows, or why it did not run."""
+    if "reference" not in args.sides:
+        return {"status": "not run (--sides)", "rows": {}}
+    log(f"reference on {plan.ref_device} ({plan.ref_dtype}), {plan.weights}")
+    threads = torch.get_num_threads()
+    if args.smoke:
+        # The tiny model's matrices are too small to gain from threads.
+        torch.set_num_threads(1)
+    try:
+        return run_reference(
+            plan.checkpoint,
+            plan.rows,
+            plan.requests,
+            plan.startup_request,
+            device=plan.ref_device,
+            dtype=plan.ref_dtype,
+            warmup=args.warmup,
+            budget=budget.share(args.reference_share) if plan.vllm_sides else budget,
+            seed=args.seed,
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
+    return {
+        "shape": "tiny" if args.smoke else "d3-turbo",
+        "checkpoint": str(plan.checkpoint),
+        "weights": plan.weights,
+        "repeats": args.repeats,
+        "long_repeats": args.long_repeats,
+        "warmup": args.warmup,
+        "vllm_long_warmup": args.vllm_long_warmup,
+        "time_budget_s": args.time_budget,
+        "reference_share": args.reference_share,
+        "reference": f"{plan.ref_device}, {str(plan.ref_dtype).removeprefix('torch.')}",
+        "state_scale": plan.state_scale,
+        "words_per_token": plan.word_ratio,
+        "seed": args.seed,
+        "sides": args.sides,
+        "throughput": {
+            "warmup_s": args.throughput_warmup,
+            "duration_s": args.throughput_seconds,
+            "max_requests": args.max_requests,
+            "distinct_requests_per_row": args.pool,
+        },
+    }
+
+
+@dataclasses.dataclass
+class ResultsWriter:
+    """Writes the results so far (``results.json``, ``results.md``, the plot):
+    a run cut short still leaves its rows."""
+
+    out: Path
+    mode: str
+    command: str
+    settings: dict[str, Any]
+    plan: Plan
+    warmup: int
+    reference: dict[str, Any]
+    #: What a side that does not run shows.
+    not_run: dict[str, Any]
 
     def write(
+        self,
         servers: dict[str, Any],
         vllm_rows: dict[str, dict[str, Any]],
         vllm_loads: dict[str, dict[str, Any]],
         missing: dict[str, Any],
     ) -> dict[str, Any]:
-        """Write the results so far: a run cut short still leaves its rows.
-        ``missing`` stands for a result a side that runs does not have."""
-
-        def vllm_results(
-            results: dict[str, dict[str, Any]], item: str
-        ) -> dict[str, dict[str, Any]]:
-            """Each vLLM side's result for ``item`` (a row or load id)."""
-            return {
-                side: results.get(side, {}).get(
-                    item, dict(missing if side in vllm_sides else not_run)
-                )
-                for side in VLLM_SIDES
-            }
-
+        """``missing`` stands for a result a side that runs does not have."""
+        reference = self.reference
         latency = [
             _latency_entry(
                 row,
-                accounting[row.id],
-                args.warmup,
+                self.plan.accounting[row.id],
+                self.warmup,
                 {
-                    **vllm_results(vllm_rows, row.id),
+                    **self._vllm_results(vllm_rows, row.id, missing),
                     "reference": reference["rows"].get(
                         row.id, {"status": reference.get("status")}
                     ),
                 },
             )
-            for row in rows
+            for row in self.plan.rows
         ]
         by_id = {entry["id"]: entry for entry in latency}
         throughput = [
-            _throughput_entry(load, vllm_results(vllm_loads, load.id), by_id)
-            for load in loads
+            _throughput_entry(
+                load, self._vllm_results(vllm_loads, load.id, missing), by_id
+            )
+            for load in self.plan.loads
         ]
         results = {
-            "mode": "smoke" if args.smoke else "full",
-            "command": command,
+            "mode": self.mode,
+            "command": self.command,
             "environment": {
                 **_environment(),
                 "reference_gdn_kernels": reference.get("gdn_kernels"),
             },
-            "settings": settings,
+            "settings": self.settings,
             "latency": latency,
             "throughput": throughput,
             "vllm_servers": servers,
@@ -583,57 +631,58 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                 if str(entry[side].get("status", "")).startswith("skipped")
             ],
         }
-        results["plot"] = report.plot(results, out / "latency_vs_state.png")
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        (out / "results.md").write_text(report.markdown(results))
+        results["plot"] = report.plot(results, self.out / "latency_vs_state.png")
+        (self.out / "results.json").write_text(json.dumps(results, indent=1))
+        (self.out / "results.md").write_text(report.markdown(results))
         return results
 
-    settings = {
-        "shape": "tiny" if args.smoke else "d3-turbo",
-        "checkpoint": str(checkpoint),
-        "weights": weights,
-        "repeats": args.repeats,
-        "long_repeats": args.long_repeats,
-        "warmup": args.warmup,
-        "vllm_long_warmup": args.vllm_long_warmup,
-        "time_budget_s": args.time_budget,
-        "reference_share": args.reference_share,
-        "reference": f"{ref_device}, {str(ref_dtype).removeprefix('torch.')}",
-        "state_scale": scale,
-        "words_per_token": word_ratio,
-        "seed": args.seed,
-        "sides": args.sides,
-        "throughput": {
-            "warmup_s": args.throughput_warmup,
-            "duration_s": args.throughput_seconds,
-            "max_requests": args.max_requests,
-            "distinct_requests_per_row": args.pool,
-        },
-    }
-    if not vllm_sides:
-        results = write({}, {}, {}, not_run)
+    def _vllm_results(
+        self, results: dict[str, dict[str, Any]], item: str, missing: dict[str, Any]
+    ) -> dict[str, dict[str, Any]]:
+        """Each vLLM side's result for ``item`` (a row or load id)."""
+        return {
+            side: results.get(side, {}).get(
+                item, dict(missing if side in self.plan.vllm_sides else self.not_run)
+            )
+            for side in VLLM_SIDES
+        }
+
+
+def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    out: Path = args.out
+    work: Path = args.work or out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    budget = Budget(args.time_budget)
+    plan = make_plan(args, work)
+    cuda = torch.cuda.is_available()
+    writer = ResultsWriter(
+        out,
+        "smoke" if args.smoke else "full",
+        command,
+        run_settings(args, plan),
+        plan,
+        args.warmup,
+        reference_results(args, plan, budget),
+        {"status": "not run (--sides)" if cuda else NOT_RUN_NO_CUDA},
+    )
+    if not plan.vllm_sides:
+        results = writer.write({}, {}, {}, writer.not_run)
     else:
-        write({}, {}, {}, pending)
+        pending = {"status": "pending (vLLM has not run yet)"}
+        writer.write({}, {}, {}, pending)
         log(f"reference written to {out / 'results.json'}")
         servers, vllm_rows, vllm_loads = _run_vllm(
             args,
-            vllm_sides,
-            checkpoint,
-            rows,
-            loads,
-            requests,
-            startup_request,
-            word_ratio=word_ratio,
-            state_scale=scale,
-            budget=budget,
-            progress=lambda done_servers, done_rows, done_loads: write(
+            plan,
+            budget,
+            lambda done_servers, done_rows, done_loads: writer.write(
                 done_servers, done_rows, done_loads, pending
             ),
         )
-        results = write(servers, vllm_rows, vllm_loads, not_run)
-    skipped = results["skipped"]
-    if skipped:
-        log(f"skipped: {'; '.join(skipped)}")
+        results = writer.write(servers, vllm_rows, vllm_loads, writer.not_run)
+    if results["skipped"]:
+        log(f"skipped: {'; '.join(results['skipped'])}")
     log(f"plot: {results['plot']}")
     log(f"wrote {out / 'results.json'} and {out / 'results.md'}")
     return results

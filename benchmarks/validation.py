@@ -942,6 +942,131 @@ def fill_reference_cache(work: Path, cache: Path, quick: bool) -> None:
             log(f"reference {name}: left to a machine with a GPU")
 
 
+def _compare_sets(against: dict, got: dict, names: Any) -> dict:
+    """One table: each set of ``names``, ``got`` against ``against``."""
+    return {n: compare(flatten(against[n]), flatten(got[n])) for n in names}
+
+
+def _run_command(
+    quick: bool,
+    parallel: bool,
+    dtype: str | None,
+    serve_args: list[str],
+    http_only: bool,
+    reference_cache: bool,
+) -> str:
+    """The command line a run's report names."""
+    command = "python -m benchmarks.validation run --out OUT"
+    command += " --quick" if quick else ""
+    command += " --parallel" if parallel else ""
+    command += f" --dtype {dtype}" if dtype else ""
+    command += "".join(f" {shlex.quote(f'--serve-arg={arg}')}" for arg in serve_args)
+    command += " --http-only" if http_only else ""
+    return command + (" --reference-cache CACHE" if reference_cache else "")
+
+
+def _engine_args(parallel: bool, dtype: str | None) -> dict[str, Any]:
+    """The options a user would pass: in parallel, every engine gets a share of
+    the GPU's memory and a fixed KV cache; ``dtype`` serves in another dtype."""
+    engine_args: dict[str, Any] = {}
+    if parallel:
+        engine_args["gpu_memory_utilization"] = PARALLEL_MEMORY
+        engine_args["kv_cache_memory_bytes"] = PARALLEL_KV_CACHE_BYTES
+    if dtype:
+        engine_args["dtype"] = dtype
+    return engine_args
+
+
+def _served_over_http(
+    checkpoint: str,
+    sets: dict,
+    work: Path,
+    long: bool,
+    engine_args: dict[str, Any],
+    serve_args: list[str],
+    parallel: bool,
+) -> tuple[dict, dict]:
+    """``run_http`` on the default server and on one that reads one question
+    per request; in parallel (each engine holds a share of the GPU) at once."""
+    with ThreadPoolExecutor(2 if parallel else 1) as pool:
+        served = pool.submit(
+            run_http, checkpoint, sets, work, long, engine_args, "serve.log", serve_args
+        )
+        per_question = pool.submit(
+            run_http,
+            checkpoint,
+            sets,
+            work,
+            long,
+            {**engine_args, **PER_QUESTION_ARGS},
+            "serve-per-question.log",
+            serve_args,
+            # The clients' bodies are decoded ahead of the read path.
+            clients=False,
+        )
+        return served.result(), per_question.result()
+
+
+def _add_http_tables(
+    results: dict[str, Any],
+    http: dict,
+    per_question: dict,
+    sets: dict,
+    short_text: dict,
+    ref_causal: dict,
+    ref_bidir: dict,
+) -> None:
+    """The HTTP run's answers and tables into ``results`` (whose answers hold
+    the reference's)."""
+    answers, tables = results["answers"], results["tables"]
+    ref = answers["reference"]
+    results["http"] = {
+        k: v for k, v in http.items() if k not in ("answers", "sdk_answers")
+    }
+    answers["http"] = http["answers"]
+    answers["http, typesafe-sdk"] = http["sdk_answers"]
+    tables[SDK_TABLE] = _compare_sets(ref, http["sdk_answers"], http["sdk_answers"])
+    answers["http, one request per question"] = per_question["answers"]
+    tables[HTTP_TABLE] = _compare_sets(ref, http["answers"], sets)
+    tables[STATE_ONCE_TABLE] = _compare_sets(
+        per_question["answers"], http["answers"], sets
+    )
+    tables[CAUSAL_CONTROL] = _compare_sets(ref_causal, http["answers"], short_text)
+    tables[BIDIR_CONTROL] = _compare_sets(ref_bidir, http["answers"], short_text)
+
+
+def _add_inprocess_tables(
+    results: dict[str, Any], served: dict, text_sets: dict, short_text: dict
+) -> None:
+    """The in-process engine's answers and tables into ``results``."""
+    answers, tables = results["answers"], results["tables"]
+    ref = answers["reference"]
+    answers["in process"] = served
+    tables[INPROCESS_TABLE] = _compare_sets(ref, served["served"], text_sets)
+    tables[ONE_BLOCK_CONTROL] = _compare_sets(ref, served["one block"], short_text)
+    results["packed_batch"] = served["packed_batch"]
+    tables[PACKED_TABLE] = _compare_sets(served["served"], served["packed"], short_text)
+    merged = served["packed, pairs merged"]
+    tables[MERGED_CONTROL] = _compare_sets(
+        same_questions(served["served"], merged), merged, short_text
+    )
+
+
+def _add_mode_table(
+    results: dict[str, Any], mode: str, job: InProcess, against: dict, names: dict
+) -> None:
+    """An other mode's engine table into ``results``; an engine that fails is
+    recorded, and the run goes on to the remaining checks."""
+    title = OTHER_MODE_TABLES[mode]
+    try:
+        served = results["answers"][f"{mode} in process"] = job.result()
+    except RuntimeError as error:
+        results.setdefault("failures", {})[title] = str(error)
+        log(f"{title}: {error}")
+    else:
+        results["tables"][title] = _compare_sets(against, served["served"], names)
+
+
 def run(
     out: Path,
     quick: bool,
@@ -973,116 +1098,52 @@ def run(
     def reference(name: str) -> dict[str, list[dict]]:
         return reference_answers(*oracle[name], cache=reference_cache)
 
-    results: dict[str, Any] = {"versions": versions(), "tables": {}}
-    results["reference_cache"] = reference_cache is not None
     ref = reference("prefix_bidir")
-    if long:
-        ref.update(reference("prefix_bidir, long states"))
+    ref.update(reference("prefix_bidir, long states") if long else {})
     ref_causal = reference("causal mask")
     ref_bidir = reference("noncausal_full_attention mask")
+    results: dict[str, Any] = {"versions": versions(), "tables": {}}
+    results["reference_cache"] = reference_cache is not None
     answers = results["answers"] = {"reference": ref}
-
-    command = "python -m benchmarks.validation run --out OUT"
-    command += " --quick" if quick else ""
-    command += " --parallel" if parallel else ""
-    command += f" --dtype {dtype}" if dtype else ""
-    command += "".join(f" {shlex.quote(f'--serve-arg={arg}')}" for arg in serve_args)
-    command += " --http-only" if http_only else ""
-    command += " --reference-cache CACHE" if reference_cache else ""
+    command = _run_command(
+        quick, parallel, dtype, serve_args, http_only, reference_cache is not None
+    )
 
     def save() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "validation.md").write_text(report(results, command))
 
-    def table(against: dict, got: dict, names) -> dict:
-        return {n: compare(flatten(against[n]), flatten(got[n])) for n in names}
-
-    tables = results["tables"]
-    # The options a user would pass: in parallel, every engine gets a share of
-    # the GPU's memory and a fixed KV cache; --dtype serves in another dtype.
-    engine_args: dict[str, Any] = {}
-    if parallel:
-        engine_args["gpu_memory_utilization"] = PARALLEL_MEMORY
-        engine_args["kv_cache_memory_bytes"] = PARALLEL_KV_CACHE_BYTES
-    if dtype:
-        engine_args["dtype"] = dtype
+    engine_args = _engine_args(parallel, dtype)
 
     def in_process(mode: str, names: dict) -> InProcess:
         long_states = any(n.startswith(LONG_SETS) for n in names)
         return InProcess(checkpoints[mode], names, work, mode, long_states, engine_args)
 
     main_job = None if http_only else in_process("prefix_bidir", text_sets)
-    jobs = (
-        {mode: in_process(mode, short_text) for mode in OTHER_MODES}
-        if parallel and not http_only
-        else {}
+    # In parallel the other modes' engines start now, beside the servers.
+    at_once = OTHER_MODES if parallel and not http_only else ()
+    jobs = {mode: in_process(mode, short_text) for mode in at_once}
+    http, per_question = _served_over_http(
+        main, sets, work, long, engine_args, serve_args, parallel
     )
-    # The same requests to a server that reads one question per request; in
-    # parallel (each engine holds a share of the GPU) beside the default one.
-    with ThreadPoolExecutor(2 if parallel else 1) as pool:
-        served_http = pool.submit(
-            run_http, main, sets, work, long, engine_args, "serve.log", serve_args
-        )
-        per_question_http = pool.submit(
-            run_http,
-            main,
-            sets,
-            work,
-            long,
-            {**engine_args, **PER_QUESTION_ARGS},
-            "serve-per-question.log",
-            serve_args,
-            # The clients' bodies are decoded ahead of the read path.
-            clients=False,
-        )
-        http, per_question = served_http.result(), per_question_http.result()
-    results["http"] = {
-        k: v for k, v in http.items() if k not in ("answers", "sdk_answers")
-    }
-    answers["http"] = http["answers"]
-    answers["http, typesafe-sdk"] = http["sdk_answers"]
-    tables[SDK_TABLE] = table(ref, http["sdk_answers"], http["sdk_answers"])
-    answers["http, one request per question"] = per_question["answers"]
-    tables[HTTP_TABLE] = table(ref, http["answers"], sets)
-    tables[STATE_ONCE_TABLE] = table(per_question["answers"], http["answers"], sets)
-    tables[CAUSAL_CONTROL] = table(ref_causal, http["answers"], short_text)
-    tables[BIDIR_CONTROL] = table(ref_bidir, http["answers"], short_text)
+    _add_http_tables(
+        results, http, per_question, sets, short_text, ref_causal, ref_bidir
+    )
     save()
     if main_job is None:
         return results
-    served = main_job.result()
-    answers["in process"] = served
-    tables[INPROCESS_TABLE] = table(ref, served["served"], text_sets)
-    tables[ONE_BLOCK_CONTROL] = table(ref, served["one block"], short_text)
-    results["packed_batch"] = served["packed_batch"]
-    tables[PACKED_TABLE] = table(served["served"], served["packed"], short_text)
-    merged = served["packed, pairs merged"]
-    tables[MERGED_CONTROL] = table(
-        same_questions(served["served"], merged), merged, short_text
-    )
+    _add_inprocess_tables(results, main_job.result(), text_sets, short_text)
     save()
-
-    def served_table(title: str, key: str, job: InProcess, against: dict) -> None:
-        """One more engine's table; an engine that fails is recorded, and the
-        run goes on to the remaining checks."""
-        try:
-            answers[key] = job.result()
-        except RuntimeError as error:
-            results.setdefault("failures", {})[title] = str(error)
-            log(f"{title}: {error}")
-        else:
-            tables[title] = table(against, answers[key]["served"], short_text)
-        save()
-
     for mode in OTHER_MODES:
         job = jobs.get(mode) or in_process(mode, short_text)
         # The other modes' oracle, only where their engines run.
         ref_mode = reference(f"{mode} checkpoint")
-        served_table(OTHER_MODE_TABLES[mode], f"{mode} in process", job, ref_mode)
+        _add_mode_table(results, mode, job, ref_mode, short_text)
+        save()
     results["prefix_caching"] = prefix_caching_refused(main, work)
     save()
-    answers["reference on gpu"] = reference("prefix_bidir on the GPU")
-    tables[GPU_CHECK_TABLE] = table(ref, answers["reference on gpu"], short_text)
+    on_gpu = answers["reference on gpu"] = reference("prefix_bidir on the GPU")
+    results["tables"][GPU_CHECK_TABLE] = _compare_sets(ref, on_gpu, short_text)
     save()
     return results
 

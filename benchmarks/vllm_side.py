@@ -33,6 +33,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -332,71 +333,105 @@ def run_group(
             failure = f"failed: server start-up: {type(error).__name__}: {error}"
             result["startup"] = {"status": failure, "log_tail": _log_tail(log_file)}
             result["memory"] = poller.stop()
-            for row in rows:
-                rows_out[row.id] = {"status": failure}
-            for load in loads:
-                loads_out[load.id] = {"status": failure}
+            rows_out.update({row.id: {"status": failure} for row in rows})
+            loads_out.update({load.id: {"status": failure} for load in loads})
             log(f"vLLM {name}: {failure}; see {log_file}")
             return result
         log(f"vLLM {name}: first answer {result['startup']['first_answer_s']:.0f}s")
         progress(result)
-
-        def call(request: dict[str, Any]) -> int:
-            return _systemone(server.url, request)
-
-        # The gate estimates long rows only, so it counts their warm-up.
-        gate = RowGate(budget, long_warmup, f"vLLM {name}")
-        for row in rows:
-            if refusal := gate.refusal(row):
-                rows_out[row.id] = {"status": refusal}
-                continue
-            row_warmup = long_warmup if row.long else warmup
-            sent = requests[row.id][warmup - row_warmup :]
-            before = engine_totals(server.url)
-            try:
-                timed = measure(call, sent, warmup=row_warmup, budget=budget)
-            except Exception as error:  # one row failing must not end the run
-                rows_out[row.id] = {
-                    "status": f"failed: {type(error).__name__}: {str(error)[:300]}"
-                }
-                log(f"vLLM {name}: {row.id} {rows_out[row.id]['status']}")
-                continue
-            rows_out[row.id] = {**timed.summary(), "input_tokens": timed.outputs}
-            engine = engine_time(
-                before, engine_totals(server.url), timed.warmup_s + timed.times_s
-            )
-            shown = ""
-            if engine:
-                rows_out[row.id]["engine"] = engine
-            if "e2e_s" in engine:
-                shown = (
-                    f"; per request: HTTP {engine['http_mean_s'] * 1e3:.1f} ms, "
-                    f"engine {engine['e2e_s'] * 1e3:.1f} ms"
-                )
-            gate.measured(row, timed.p50_s)
-            log(f"vLLM {name}: {row.id} p50 {timed.p50_s * 1e3:.1f} ms{shown}")
-            progress(result)
-        for load in loads:
-            if budget.exhausted():
-                loads_out[load.id] = {"status": "skipped (time budget)"}
-                log(f"vLLM {name}: {load.id} skipped (time budget)")
-                continue
-            loads_out[load.id] = closed_loop(
-                server.url,
-                pools[load.mix],
-                load.clients,
-                warmup_s=throughput["warmup_s"],
-                duration_s=throughput["duration_s"],
-                max_requests=int(throughput["max_requests"]),
-            )
-            outcome = loads_out[load.id]
-            shown = (
-                f"{outcome['requests_per_s']:.2f} req/s"
-                if outcome["status"] == "ok"
-                else outcome["status"]
-            )
-            log(f"vLLM {name}: {load.id} {shown}")
-            progress(result)
+        serving = _Serving(server.url, name, budget, lambda: progress(result))
+        _run_rows(serving, rows, requests, rows_out, warmup, long_warmup)
+        _run_loads(serving, loads, pools, loads_out, throughput)
         result["memory"] = poller.stop()
     result["memory_log"] = _log_lines(log_file, MEMORY_LOG, limit=12)
     return result
+
+
+@dataclasses.dataclass
+class _Serving:
+    """A started server as its rows and loads use it."""
+
+    url: str
+    name: str
+    budget: Budget
+    #: Called after each row and load.
+    progress: Callable[[], object]
+
+
+def _run_rows(
+    serving: _Serving,
+    rows: list[Row],
+    requests: dict[str, list[dict[str, Any]]],
+    rows_out: dict[str, Any],
+    warmup: int,
+    long_warmup: int,
+) -> None:
+    """Each row's timed requests into ``rows_out``; a row that fails or does
+    not fit the budget says so, and the others go on."""
+    url, name, budget = serving.url, serving.name, serving.budget
+    # The gate estimates long rows only, so it counts their warm-up.
+    gate = RowGate(budget, long_warmup, f"vLLM {name}")
+    for row in rows:
+        if refusal := gate.refusal(row):
+            rows_out[row.id] = {"status": refusal}
+            continue
+        row_warmup = long_warmup if row.long else warmup
+        sent = requests[row.id][warmup - row_warmup :]
+        before = engine_totals(url)
+        try:
+            timed = measure(
+                lambda request: _systemone(url, request),
+                sent,
+                warmup=row_warmup,
+                budget=budget,
+            )
+        except Exception as error:  # one row failing must not end the run
+            rows_out[row.id] = {
+                "status": f"failed: {type(error).__name__}: {str(error)[:300]}"
+            }
+            log(f"vLLM {name}: {row.id} {rows_out[row.id]['status']}")
+            continue
+        rows_out[row.id] = {**timed.summary(), "input_tokens": timed.outputs}
+        engine = engine_time(before, engine_totals(url), timed.warmup_s + timed.times_s)
+        shown = ""
+        if engine:
+            rows_out[row.id]["engine"] = engine
+        if "e2e_s" in engine:
+            shown = (
+                f"; per request: HTTP {engine['http_mean_s'] * 1e3:.1f} ms, "
+                f"engine {engine['e2e_s'] * 1e3:.1f} ms"
+            )
+        gate.measured(row, timed.p50_s)
+        log(f"vLLM {name}: {row.id} p50 {timed.p50_s * 1e3:.1f} ms{shown}")
+        serving.progress()
+
+
+def _run_loads(
+    serving: _Serving,
+    loads: list[Load],
+    pools: dict[str, list[dict[str, Any]]],
+    loads_out: dict[str, Any],
+    throughput: dict[str, float],
+) -> None:
+    """Each closed-loop load into ``loads_out``, until the budget is spent."""
+    url, name, budget = serving.url, serving.name, serving.budget
+    for load in loads:
+        if budget.exhausted():
+            loads_out[load.id] = {"status": "skipped (time budget)"}
+            log(f"vLLM {name}: {load.id} skipped (time budget)")
+            continue
+        loads_out[load.id] = outcome = closed_loop(
+            url,
+            pools[load.mix],
+            load.clients,
+            warmup_s=throughput["warmup_s"],
+            duration_s=throughput["duration_s"],
+            max_requests=int(throughput["max_requests"]),
+        )
+        shown = (
+            f"{outcome['requests_per_s']:.2f} req/s"
+            if outcome["status"] == "ok"
+            else outcome["status"]
+        )
+        log(f"vLLM {name}: {load.id} {shown}")
+        serving.progress()

@@ -33,18 +33,17 @@ STATE_TOKENS_KEY = "d3_state_tokens"
 #: packed prompt (``state || q1 || ... || qQ``) ends.
 QUESTION_ENDS_KEY = "d3_question_ends"
 #: The ``--additional-config`` key that turns reading the state once off
-#: (``false``: one engine request per question). The config hook replaces it
-#: with what the server does.
+#: (``false``: one engine request per question).
 STATE_ONCE_KEY = "d3_state_once"
 #: ``--additional-config`` key that forces the dense-piece attention's kernel.
 ATTENTION_KERNEL_KEY = "d3_attention_kernel"
+#: Its values besides a kernel's name: the platform's choice, or vLLM's ranged
+#: attention with one engine request per question.
+AUTO_KERNEL, RANGED_KERNEL = "auto", "ranged"
 #: Where the config hook writes what it decided for the engine, under the two
 #: switches' keys (the kernel, ``ranged`` for none; whether the state is read
 #: once); the user's switches stay as given.
 DECIDED_KEY = "d3_decided"
-#: Its values besides a kernel's name: the platform's choice, or vLLM's ranged
-#: attention with one engine request per question.
-AUTO_KERNEL, RANGED_KERNEL = "auto", "ranged"
 #: The prompt layouts this plugin renders. ``header-v1`` (d3-ultra) is not public.
 PROMPT_LAYOUTS = ("d3",)
 

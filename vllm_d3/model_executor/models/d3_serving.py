@@ -10,10 +10,9 @@ layers on the dense-piece backend and its kernel (``d3_attention_kernel``:
 forced by the user, else the GPU's first that runs, checked at start-up off
 Hopper; ``ranged`` where vLLM's own selection stays); whether /v1/systemone
 reads each state once (``d3_state_once``, only on the dense pieces); the Gated
-DeltaNet prefill on
-Triton/FLA unless chosen; expandable segments for the engine's CUDA caching
-allocator unless the user's settings name them or a KV connector is on.
-Other checkpoints are left as they are.
+DeltaNet prefill on Triton/FLA unless chosen; expandable segments for the
+engine's CUDA caching allocator unless the user's settings name them or a KV
+connector is on. Other checkpoints are left as they are.
 """
 
 import os
