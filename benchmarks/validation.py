@@ -302,19 +302,14 @@ def run_inprocess(
     and without (one whole-prompt block) the state sizes. On a prefix_bidir
     checkpoint also every short set's requests packed (``packed_prompt``), all
     sent at once, and the same with question pairs merged (the control)."""
-    from vllm import LLM, PoolingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
-    from vllm_d3.model_executor.models.d3_contract import (
-        is_prefix_bidir,
-        temperature_schedule_of,
-    )
+    from vllm_d3.model_executor.models.d3_contract import is_prefix_bidir
     from vllm_d3.reference import ReferenceRuntime
 
     sets = json.loads(Path(sets_file).read_text())
     renderer = ReferenceRuntime(checkpoint, device="cpu")
     decision = json.loads((Path(checkpoint) / "decision_config.json").read_text())
-    schedule = temperature_schedule_of(decision)
     prefix_bidir = is_prefix_bidir(decision)
     kwargs: dict[str, Any] = {
         "model": checkpoint,
@@ -326,14 +321,8 @@ def run_inprocess(
     started = time.time()
     llm = LLM(**kwargs)
     log(f"in-process LLM up in {time.time() - started:.0f}s")
+    temperature_of = _temperature_rule(decision)
     results: dict[str, Any] = {}
-    variants = ("served", "one block") if prefix_bidir else ("served",)
-
-    def temperature_of(questions: int) -> float:
-        if schedule:
-            return schedule.temperature_for(questions)
-        return decision.get("temperature", 1.0)
-
     # (set name, request, its rendered questions) of every short text set.
     packable: list[tuple[str, dict, list]] = []
     for name, requests in sets.items():
@@ -342,44 +331,85 @@ def run_inprocess(
         rendered = [renderer.render(r) for r in requests]
         if prefix_bidir and not name.startswith(LONG_SETS):
             packable += zip([name] * len(requests), requests, rendered, strict=True)
-        prompts = [
-            TokensPrompt(prompt_token_ids=q.token_ids) for qs in rendered for q in qs
-        ]
+        variants = ("served", "one block") if prefix_bidir else ("served",)
         for variant in variants:
-            params = [
-                PoolingParams(
-                    task="classify",
-                    use_activation=False,
-                    extra_kwargs=None
-                    if not prefix_bidir
-                    else {
-                        "d3_state_tokens": q.state_tokens
-                        if variant == "served"
-                        else len(q.token_ids)
-                    },
-                )
-                for qs in rendered
-                for q in qs
-            ]
-            outputs = iter(llm.classify(prompts, pooling_params=params, use_tqdm=False))
-            responses = []
-            for request, questions in zip(requests, rendered, strict=True):
-                temperature = temperature_of(len(questions))
-                answers = {
-                    q.qid: _answer_from_logits(
-                        request["questions"][q.qid],
-                        next(outputs).outputs.probs,
-                        temperature,
-                    )
-                    for q in questions
-                }
-                responses.append({"answers": answers})
+            responses = _classify_set(
+                llm, requests, rendered, variant, prefix_bidir, temperature_of
+            )
             results.setdefault(variant, {})[name] = responses
         log(f"in-process: {name}")
+    if packable:
+        results.update(_classify_packed(llm, packable, temperature_of))
+    Path(out_file).write_text(json.dumps(results))
+
+
+def _temperature_rule(decision: dict[str, Any]) -> Callable[[int], float]:
+    """The temperature of a request of n questions (d3-ultra's schedule, else
+    the checkpoint's one temperature)."""
+    from vllm_d3.model_executor.models.d3_contract import temperature_schedule_of
+
+    schedule = temperature_schedule_of(decision)
+    if schedule:
+        return schedule.temperature_for
+    return lambda questions: decision.get("temperature", 1.0)
+
+
+def _classify_set(
+    llm: Any,
+    requests: list[dict],
+    rendered: list[list],
+    variant: str,
+    prefix_bidir: bool,
+    temperature_of: Callable[[int], float],
+) -> list[dict]:
+    """One set's responses, a prompt per question: ``served`` with each
+    prompt's state size, ``one block`` with the whole prompt as its state."""
+    from vllm import PoolingParams
+    from vllm.inputs import TokensPrompt
+
+    questions = [q for qs in rendered for q in qs]
+    params = [
+        PoolingParams(
+            task="classify",
+            use_activation=False,
+            extra_kwargs=None
+            if not prefix_bidir
+            else {
+                "d3_state_tokens": q.state_tokens
+                if variant == "served"
+                else len(q.token_ids)
+            },
+        )
+        for q in questions
+    ]
+    prompts = [TokensPrompt(prompt_token_ids=q.token_ids) for q in questions]
+    outputs = iter(llm.classify(prompts, pooling_params=params, use_tqdm=False))
+    responses = []
+    for request, asked in zip(requests, rendered, strict=True):
+        temperature = temperature_of(len(asked))
+        answers = {
+            q.qid: _answer_from_logits(
+                request["questions"][q.qid], next(outputs).outputs.probs, temperature
+            )
+            for q in asked
+        }
+        responses.append({"answers": answers})
+    return responses
+
+
+def _classify_packed(
+    llm: Any,
+    packable: list[tuple[str, dict, list]],
+    temperature_of: Callable[[int], float],
+) -> dict[str, Any]:
+    """Every packable request packed, all sent at once, and the same with
+    question pairs merged; with ``packed_batch``, what the batch held."""
+    from vllm import PoolingParams
+    from vllm.inputs import TokensPrompt
+
+    results: dict[str, Any] = {}
     for variant, merge_pairs in (("packed", False), ("packed, pairs merged", True)):
         packs = [packed_prompt(questions, merge_pairs) for _, _, questions in packable]
-        if not packs:
-            break
         # Every pack goes to the engine at once: vLLM's scheduler (no chunked
         # prefill) takes as many as one step's token budget holds.
         outputs = iter(
@@ -418,7 +448,7 @@ def run_inprocess(
             "question_counts": sorted({len(q) for _, _, q in packable}),
             "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         }
-    Path(out_file).write_text(json.dumps(results))
+    return results
 
 
 class InProcess:
