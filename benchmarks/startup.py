@@ -37,6 +37,7 @@ from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 
 from .timing import log
 from .validation import LONG_MAX_MODEL_LEN, VALIDATED_LENGTH
+from .vllm_side import serve_flags
 
 #: Steps whose length vLLM logs itself: name -> the line, its seconds captured.
 LOGGED_DURATIONS = {
@@ -144,7 +145,8 @@ def start_once(work: Path, mode: str, cache: str, serve_args: list[str]) -> dict
     if cache == "cold":
         shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True, exist_ok=True)
-    flags = ["--load-format", "dummy", "--max-model-len", str(LONG_MAX_MODEL_LEN)]
+    # --load-format dummy: the package has no weights (vllm_side's rule).
+    flags = serve_flags(str(checkpoint), ["--max-model-len", str(LONG_MAX_MODEL_LEN)])
     log_file = work / f"serve-{mode}-{cache}.log"
     started = time.time()
     with Server(
