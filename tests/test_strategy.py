@@ -19,6 +19,7 @@ from PIL import Image
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.openai.decisions.question_types import build_question
 from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES, ReadContext
+from vllm.pooling_params import PoolingParams
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.renderers.registry import renderer_from_config
 
@@ -126,23 +127,25 @@ QUESTIONS = [
 ]
 
 
-def read(strategy, state, media=None):
+def read_coroutine(strategy, state, media=None, request_id="t"):
     questions = [
         build_question(qid, kind, text, criteria, 255, labeled=False)
         for qid, kind, text, criteria in QUESTIONS
     ]
-    return asyncio.run(
-        strategy.read(
-            questions,
-            None,
-            strategy.render_state(state),
-            request_id="t",
-            chat_template_kwargs=None,
-            lora_request=None,
-            priority=0,
-            media=media,
-        )
+    return strategy.read(
+        questions,
+        None,
+        strategy.render_state(state),
+        request_id=request_id,
+        chat_template_kwargs=None,
+        lora_request=None,
+        priority=0,
+        media=media,
     )
+
+
+def read(strategy, state, media=None):
+    return asyncio.run(read_coroutine(strategy, state, media))
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +294,91 @@ def test_per_question_reads_send_upstreams_engine_inputs(make_checkpoint):
         assert our_params.use_activation == their_params.use_activation
         assert set(our_params.extra_kwargs) == {"d3_state_tokens"}
         assert their_params.extra_kwargs is None
+
+
+@pytest.mark.plugin
+def test_upstream_names_each_question_encode_as_the_plugin_expects(make_checkpoint):
+    # The plugin knows a read's encodes by these ids (question_request_id);
+    # 0.33.0's own read must send exactly them, one per question, in order.
+    from vllm.entrypoints.openai.decisions.strategies import (
+        D3Strategy as UpstreamD3Strategy,
+    )
+
+    from vllm_d3.entrypoints.openai.decisions.strategies import question_request_id
+
+    strategy, engine = make_strategy(make_checkpoint(weights=False))
+    upstream_strategy = UpstreamD3Strategy(strategy.context)
+    upstream_strategy.context = ReadContext(
+        **{**vars(strategy.context), "engine_client": engine}
+    )
+    read(upstream_strategy, "a state")
+    assert engine.request_ids == [
+        question_request_id("t", n) for n in range(len(QUESTIONS))
+    ]
+
+
+@pytest.mark.plugin
+@pytest.mark.parametrize("state_once", [False, True])
+def test_concurrent_reads_each_get_their_own_answers(make_checkpoint, state_once):
+    path = make_checkpoint(weights=False)
+    strategy, engine = make_strategy(path, state_once=state_once)
+    states = ["the first state", "another, longer second state", "a third"]
+    alone = []
+    for state in states:
+        engine.reads.clear()
+        read(strategy, state)
+        alone.append([inputs["prompt_token_ids"] for inputs, _ in engine.reads])
+
+    async def together():
+        return await asyncio.gather(
+            *(
+                read_coroutine(strategy, state, request_id=f"r{k}")
+                for k, state in enumerate(states)
+            )
+        )
+
+    engine.reads.clear()
+    engine.request_ids.clear()
+    answers = asyncio.run(together())
+    prompts = [inputs["prompt_token_ids"] for inputs, _ in engine.reads]
+    # Each read's engine requests are the ones it sends alone, under its own
+    # request id, and its usage counts its own prompts.
+    for k, own in enumerate(alone):
+        ids = [i for i in engine.request_ids if i.startswith(f"r{k}-")]
+        sent = [p for p, i in zip(prompts, engine.request_ids, strict=True) if i in ids]
+        assert sent == own
+        assert sum(a.input_tokens for a in answers[k]) == sum(len(p) for p in own)
+
+
+@pytest.mark.plugin
+def test_encodes_outside_a_read_reach_vllms_engine_client(make_checkpoint):
+    strategy, engine = make_strategy(make_checkpoint(weights=False))
+    params = PoolingParams(task="classify")
+
+    async def encode():
+        async for _ in strategy.context.engine_client.encode(
+            {"prompt_token_ids": [1, 2]}, params, "not-a-read-0"
+        ):
+            pass
+
+    asyncio.run(encode())
+    assert engine.request_ids == ["not-a-read-0"]
+
+
+@pytest.mark.plugin
+def test_a_read_refuses_an_encode_that_is_none_of_its_questions(make_checkpoint):
+    from vllm_d3.entrypoints.openai.decisions import strategies
+
+    strategy, _ = make_strategy(make_checkpoint(weights=False))
+    questions = [build_question("q", "choice", "", {"a": None, "b": None}, 255, False)]
+
+    async def stray_encode():
+        reads = strategies._RequestReads(strategy, "t", questions, "s", None)
+        async for _ in reads.encode("t-7", {"prompt_token_ids": [1]}, None, {}):
+            pass
+
+    with pytest.raises(RuntimeError, match="'t-7' that is not one of its questions'"):
+        asyncio.run(stray_encode())
 
 
 def test_state_once_packs_the_questions(make_checkpoint):

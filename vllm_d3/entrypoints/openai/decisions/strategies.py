@@ -8,15 +8,16 @@ In-tree, ``D3Strategy.read`` hands its rendered engine inputs to
 ``read_state_blocks`` (``d3_reads.py``) where the checkpoint needs it. Here,
 without editing 0.33.0's ``read`` (which renders every question's prompt and
 sends one classify encode per question, concurrently), ``D3Strategy`` extends
-0.33.0's class, replaces it in ``READ_STRATEGIES`` and keeps that ``read``;
-where ``needs_state_block_reads`` holds, its encodes reach
-``_ReadingEngineClient``, which gathers a request's encodes
-(``_RequestReads``) and reads them together. A causal or noncausal checkpoint
-without ``temperature_by_questions`` keeps vLLM's engine client.
+0.33.0's class, replaces it in ``READ_STRATEGIES`` and keeps that ``read``.
+Where ``needs_state_block_reads`` holds, ``read`` makes the request's
+``_RequestReads`` the current read (``CURRENT_READ``) for the duration of
+0.33.0's ``read``; the engine client that ``read`` sees (``_ReadingEngineClient``)
+hands the current read each encode, which gathers them and reads them together.
 """
 
 import asyncio
 from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -33,12 +34,19 @@ from vllm.pooling_params import PoolingParams
 from vllm_d3.entrypoints.openai.decisions.d3_reads import D3StateBlockReads
 
 
+def question_request_id(request_id: str, n: int) -> str:
+    """The request id 0.33.0's ``read`` gives question ``n``'s encode (the
+    tests hold 0.33.0 to it)."""
+    return f"{request_id}-{n}"
+
+
 class _RequestReads:
-    """One ``read``'s encodes: gathered, then read together by
-    ``read_state_blocks``. Each question's logits go back to 0.33.0's ``read``
-    scaled by ``temperature / temperature_for(Q)`` (its division by
-    ``temperature`` then divides them by ``temperature_for(Q)``), with the
-    tokens the engine computed for it as its usage."""
+    """One ``read``'s encodes, one per question, known by the request id
+    0.33.0's ``read`` gives each (``question_request_id``): gathered, then read
+    together by ``read_state_blocks``. Each question's logits go back to
+    0.33.0's ``read`` scaled by ``temperature / temperature_for(Q)`` (its
+    division by ``temperature`` then divides them by ``temperature_for(Q)``),
+    with the tokens the engine computed for it as its usage."""
 
     def __init__(
         self,
@@ -53,6 +61,9 @@ class _RequestReads:
         self.questions = questions
         self.state = state
         self.media = media
+        self.question_of = {
+            question_request_id(request_id, n): n for n in range(len(questions))
+        }
         self.inputs: dict[int, tuple[EngineInput, PoolingParams, dict[str, Any]]] = {}
         loop = asyncio.get_running_loop()
         self.results: list[asyncio.Future[PoolingRequestOutput]] = [
@@ -64,11 +75,18 @@ class _RequestReads:
 
     async def encode(
         self,
-        n: int,
+        request_id: str,
         engine_input: EngineInput,
         params: PoolingParams,
         kwargs: dict[str, Any],
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        n = self.question_of.get(request_id)
+        if n is None or n in self.inputs:
+            raise RuntimeError(
+                f"D3 read {self.request_id}: an encode {request_id!r} that is not "
+                "one of its questions' (vLLM's D3Strategy.read names them "
+                f"{question_request_id(self.request_id, 0)!r} on)"
+            )
         self.inputs[n] = (engine_input, params, kwargs)
         if len(self.inputs) == len(self.questions):
             self.task = asyncio.ensure_future(self._run())
@@ -100,7 +118,7 @@ class _RequestReads:
             engine_input: Any = self.inputs[n][0]
             self.results[n].set_result(
                 PoolingRequestOutput(
-                    f"{self.request_id}-{n}",
+                    question_request_id(self.request_id, n),
                     PoolingOutput(data=torch.tensor(row) * scale),
                     engine_input["prompt_token_ids"],
                     0,
@@ -109,14 +127,21 @@ class _RequestReads:
             )
 
 
-class _ReadingEngineClient:
-    """The engine client as ``D3Strategy.read`` sees it: its encodes (request
-    ids ``f"{request_id}-{n}"``, as 0.33.0's ``read`` names them) go to the
-    request's ``_RequestReads``; everything else is vLLM's engine client."""
+#: The read in flight: set by ``D3Strategy.read`` around 0.33.0's ``read``, so
+#: the tasks that ``read`` starts for its questions (which copy the context)
+#: see it too; ``None`` elsewhere.
+CURRENT_READ: ContextVar[_RequestReads | None] = ContextVar(
+    "d3_current_read", default=None
+)
 
-    def __init__(self, engine_client: Any, strategy: "D3Strategy") -> None:
+
+class _ReadingEngineClient:
+    """The engine client as ``D3Strategy.read`` sees it: encodes go to the
+    current read (``CURRENT_READ``) while there is one; everything else is
+    vLLM's engine client."""
+
+    def __init__(self, engine_client: Any) -> None:
         self._engine_client = engine_client
-        self._strategy = strategy
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine_client, name)
@@ -128,23 +153,20 @@ class _ReadingEngineClient:
         request_id: str,
         **kwargs: Any,
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
-        read_id, _, n = request_id.rpartition("-")
-        reads = self._strategy.requests.get(read_id)
-        if reads is None or not n.isdigit():
+        reads = CURRENT_READ.get()
+        if reads is None:
             return self._engine_client.encode(
                 prompt, pooling_params, request_id, **kwargs
             )
-        return reads.encode(int(n), prompt, pooling_params, kwargs)
+        return reads.encode(request_id, prompt, pooling_params, kwargs)
 
 
 class D3Strategy(upstream.D3Strategy, D3StateBlockReads):
     def __init__(self, context: ReadContext):
         super().__init__(context)
         self.init_state_blocks()
-        #: The reads in flight, by request id.
-        self.requests: dict[str, _RequestReads] = {}
         if self.needs_state_block_reads:
-            reading: Any = _ReadingEngineClient(self.engine_client, self)
+            reading: Any = _ReadingEngineClient(self.engine_client)
             self.context = replace(context, engine_client=reading)
 
     def _tokens(self, text: str) -> list[int]:
@@ -186,11 +208,11 @@ class D3Strategy(upstream.D3Strategy, D3StateBlockReads):
         if not isinstance(self.context.engine_client, _ReadingEngineClient):
             return await read()
         reads = _RequestReads(self, request_id, questions, state, media)
-        self.requests[request_id] = reads
+        current = CURRENT_READ.set(reads)
         try:
             answers = await read()
         finally:
-            del self.requests[request_id]
+            CURRENT_READ.reset(current)
             if reads.task is not None:
                 # A cancelled or failed read stops its engine requests too.
                 reads.task.cancel()

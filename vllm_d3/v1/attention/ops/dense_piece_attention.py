@@ -55,6 +55,53 @@ def _attend_keys(
 
 
 @triton.jit
+def _attend_all_keys(
+    q,
+    k_block,
+    v_block,
+    num_keys,
+    scale_log2,
+    k_block_step,
+    v_block_step,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+):
+    """Online softmax of a query block over ``num_keys`` keys from the first
+    key and value blocks on, ``*_block_step`` apart: the unnormalized output,
+    the running maxima and the sums (base 2)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE], dtype=tl.float32)
+    whole_blocks_end = (num_keys // BLOCK_N) * BLOCK_N
+    for _ in range(0, whole_blocks_end, BLOCK_N):
+        acc, m_i, l_i = _attend_keys(
+            q, acc, m_i, l_i, k_block, v_block, scale_log2, BLOCK_N, BLOCK_N, False
+        )
+        k_block += k_block_step
+        v_block += v_block_step
+    if whole_blocks_end < num_keys:
+        acc, m_i, l_i = _attend_keys(
+            q, acc, m_i, l_i, k_block, v_block, scale_log2,
+            num_keys - whole_blocks_end, BLOCK_N, True,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_rows(o_ptrs, lse_ptrs, acc, m_i, l_i, q_rows):
+    """A query block's normalized output and natural-log log-sum-exp, stored
+    for its ``q_rows``."""
+    # No keys: l_i is 0 and the row's output 0, its log-sum-exp -inf.
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    # Natural logarithms: log2 values times ln 2.
+    lse = tl.where(has_keys, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, m_i)
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=q_rows[:, None])
+    tl.store(lse_ptrs, lse, mask=q_rows)
+
+
+@triton.jit
 def _dense_piece_kernel(
     Q,
     K,
@@ -116,31 +163,17 @@ def _dense_piece_kernel(
         + offs_n[:, None] * stride_v_token
     )
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE], dtype=tl.float32)
-    whole_blocks_end = (num_keys // BLOCK_N) * BLOCK_N
-    for _ in range(0, whole_blocks_end, BLOCK_N):
-        acc, m_i, l_i = _attend_keys(
-            q, acc, m_i, l_i, k_block, v_block, scale_log2, BLOCK_N, BLOCK_N, False
-        )
-        k_block += BLOCK_N * stride_k_token
-        v_block += BLOCK_N * stride_v_token
-    if whole_blocks_end < num_keys:
-        acc, m_i, l_i = _attend_keys(
-            q, acc, m_i, l_i, k_block, v_block, scale_log2,
-            num_keys - whole_blocks_end, BLOCK_N, True,
-        )  # fmt: skip
-
-    # No keys: l_i is 0 and the row's output 0, its log-sum-exp -inf.
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    # Natural logarithms: log2 values times ln 2.
-    lse = tl.where(has_keys, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, m_i)
-    o_ptrs = Out + q_tokens[:, None] * stride_o_token + head * stride_o_head
-    out = out.to(Out.dtype.element_ty)
-    tl.store(o_ptrs + offs_d[None, :], out, mask=q_rows[:, None])
-    tl.store(Lse + head * stride_lse_head + q_tokens, lse, mask=q_rows)
+    acc, m_i, l_i = _attend_all_keys(
+        q, k_block, v_block, num_keys, scale_log2,
+        BLOCK_N * stride_k_token, BLOCK_N * stride_v_token,
+        BLOCK_M, BLOCK_N, HEAD_SIZE,
+    )  # fmt: skip
+    _store_rows(
+        Out + q_tokens[:, None] * stride_o_token + head * stride_o_head
+        + offs_d[None, :],
+        Lse + head * stride_lse_head + q_tokens,
+        acc, m_i, l_i, q_rows,
+    )  # fmt: skip
 
 
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages), fastest first at head_dim 256 on
