@@ -2,17 +2,19 @@
 vLLM 0.33.0: exported, applied with ``git am`` and run in-tree with this plugin
 not loaded (``VLLM_PLUGINS=""``, vLLM's allow-list of plugin names)."""
 
+import json
 import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from vllm_d3.cli import main
 from vllm_d3.export import (
-    Edit,
+    Diff,
     ExportError,
     NewFile,
     Patch,
@@ -23,7 +25,7 @@ from vllm_d3.export import (
     installed_vllm,
     patched_tree,
 )
-from vllm_d3.export.series import SERIES
+from vllm_d3.export.series import CONTRACT, SERIES
 
 ROOT = Path(__file__).parent.parent
 
@@ -120,13 +122,31 @@ def test_new_files_import_only_what_the_series_puts_in_vllm():
     )
 
 
-@pytest.mark.parametrize(
-    ("source", "found"), [("a\nb\n", "is not in"), ("x\n" * 2, "2 times")]
-)
-def test_a_moved_anchor_stops_the_export_naming_it(source, found):
-    edit = Edit("vllm/some/file.py", anchor="x\n", text="y\n")
-    with pytest.raises(ExportError, match=f"vllm/some/file.py: .*'x'.* {found}"):
-        edit.apply(source)
+def test_a_diff_that_does_not_apply_stops_the_export_naming_it(tmp_path):
+    repo = base_repo(tmp_path)
+    config = repo / "vllm/model_executor/models/config.py"
+    # A release that reworded a line the diff changes.
+    line = 'attention_mode = decision.get("attention_mode", "causal")'
+    assert line in config.read_text()
+    config.write_text(config.read_text().replace(line, 'attention_mode = "causal"'))
+    with pytest.raises(ExportError, match="01-contract.diff does not apply") as error:
+        apply_patch(repo, CONTRACT)
+    assert "vllm/model_executor/models/config.py" in str(error.value)
+
+
+def diffs() -> list[Diff]:
+    return [c for patch in SERIES for c in patch.changes if isinstance(c, Diff)]
+
+
+def test_each_diff_changes_vllms_own_files_only():
+    installed = installed_vllm()
+    assert diffs()
+    for diff in diffs():
+        text = diff.path.read_text()
+        assert "new file mode" not in text and "deleted file mode" not in text
+        assert diff.files()
+        for path in diff.files():
+            assert (installed / path.removeprefix("vllm/")).is_file(), path
 
 
 def test_a_test_left_for_a_later_commit_runs_once_that_commit_is_in():
@@ -139,10 +159,6 @@ def test_a_test_left_for_a_later_commit_runs_once_that_commit_is_in():
         "t/c.py",
         "t/d.py::y",
     ]
-
-
-def test_an_anchor_is_replaced_once():
-    assert Edit("f.py", anchor="b\n", text="b\nc\n").apply("a\nb\n") == "a\nb\nc\n"
 
 
 def test_a_new_file_that_exists_is_refused(tmp_path):
@@ -209,6 +225,33 @@ def series_repo(tmp_path_factory):
     work = tmp_path_factory.mktemp("series")
     export_series(work / "patches", work / "repo")
     return work / "repo"
+
+
+def ruff_findings(source: str, path: str) -> Counter:
+    """This package's ruff rules on ``source`` (as ``path``): each finding's code
+    and message, line numbers left out."""
+    run = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format",
+         "json", "--config", str(ROOT / "pyproject.toml"),
+         "--stdin-filename", path, "-"],
+        input=source, capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert run.returncode in (0, 1), run.stderr
+    return Counter((f["code"], f["message"]) for f in json.loads(run.stdout))
+
+
+@pytest.mark.parametrize("index", range(len(SERIES)))
+def test_each_commits_diff_adds_no_lint_finding(series_repo, index):
+    commit = f"HEAD~{len(SERIES) - 1 - index}"
+    for change in SERIES[index].changes:
+        if not isinstance(change, Diff):
+            continue
+        for path in change.files():
+            before = git(series_repo, "show", f"{commit}~1:{path}")
+            after = git(series_repo, "show", f"{commit}:{path}")
+            assert after != before
+            added = ruff_findings(after, path) - ruff_findings(before, path)
+            assert not added, f"{change.name} adds to {path}: {dict(added)}"
 
 
 @pytest.mark.parametrize("index", range(len(SERIES)))

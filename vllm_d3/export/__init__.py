@@ -5,13 +5,14 @@
 a title, a message, its changes (applied in order to the tree the previous
 ones left: a ``NewFile`` is a module of this package written whole at the
 upstream path it mirrors, its ``vllm_d3`` imports and logger name read as
-vLLM's; an ``Edit`` an anchored change; ``backports`` the modules that give the
-plugin an edit's hook), the CPU tests it makes pass in-tree and a control that
-fails on vLLM as released. ``export_series`` commits them over a vLLM
-repository and writes them with ``git format-patch``; ``patched_tree`` makes a
-runnable copy of the installed vLLM with them applied; ``in_tree_modules`` and
-``in_tree_test_args`` serve the in-tree test run (``tests/conftest.py``). A
-0.33.x release that moved an anchor stops the export (``ExportError``).
+vLLM's; a ``Diff`` a diff of vLLM's own files in ``edits/``; ``backports`` the
+modules that give the plugin an edit's hook), the CPU tests it makes pass
+in-tree and a control that fails on vLLM as released. ``export_series``
+commits them over a vLLM repository and writes them with ``git format-patch``;
+``patched_tree`` makes a runnable copy of the installed vLLM with them applied;
+``in_tree_modules`` and ``in_tree_test_args`` serve the in-tree test run
+(``tests/conftest.py``). A 0.33.x release whose lines moved under a diff stops
+the export (``ExportError``).
 """
 
 from __future__ import annotations
@@ -45,10 +46,6 @@ class NewFile:
 
     module: str
     """Its path inside this package, e.g. ``model_executor/models/d3.py``."""
-    in_tree: tuple[tuple[str, str], ...] = ()
-    """Lines of the module that read otherwise in-tree, as ``(anchor, text)``
-    pairs applied like an ``Edit`` (e.g. the registry member the plugin borrows
-    where vLLM gets one of its own)."""
 
     @property
     def path(self) -> str:
@@ -56,38 +53,37 @@ class NewFile:
 
     def text(self) -> str:
         source = (Path(__file__).parent.parent / self.module).read_text()
-        for anchor, text in self.in_tree:
-            source = Edit(f"{PACKAGE}/{self.module}", anchor, text).apply(source)
         source = re.sub(rf"\b{PACKAGE}\.", f"{UPSTREAM}.", source)
         source = re.sub(rf"\bimport {PACKAGE}\b", f"import {UPSTREAM}", source)
         return re.sub(_PLUGIN_LOGGER, "logger = init_logger(__name__)", source)
 
 
+#: Where the series' diffs of vLLM's own files are kept.
+EDITS = Path(__file__).parent / "edits"
+
+
 @dataclass(frozen=True)
-class Edit:
-    """``anchor``, which must occur exactly once in ``path``, becomes ``text``."""
+class Diff:
+    """Changes to vLLM's own files: ``EDITS/name``, a ``git diff`` against the
+    tree the series' earlier commits leave on vLLM 0.33.0."""
 
-    path: str
-    anchor: str
-    text: str
+    name: str
 
-    def apply(self, source: str) -> str:
-        count = source.count(self.anchor)
-        if count != 1:
-            where = "is not in" if count == 0 else f"occurs {count} times in"
-            first = self.anchor.strip().splitlines()[0].strip()
-            raise ExportError(
-                f"{self.path}: the anchor starting {first!r} {where} this vLLM "
-                "tree; the series is written against vLLM 0.33.0"
-            )
-        return source.replace(self.anchor, self.text)
+    @property
+    def path(self) -> Path:
+        return EDITS / self.name
+
+    def files(self) -> list[str]:
+        """The vLLM files it changes."""
+        lines = self.path.read_text().splitlines()
+        return [line.removeprefix("+++ b/") for line in lines if line[:6] == "+++ b/"]
 
 
 @dataclass(frozen=True)
 class Patch:
     title: str
     body: str
-    changes: tuple[NewFile | Edit, ...]
+    changes: tuple[NewFile | Diff, ...]
     tests: tuple[str, ...]
     """The CPU tests this commit makes pass in-tree, without the plugin (pytest
     arguments: files, or tests a ``--deselect`` of an earlier commit left out;
@@ -186,16 +182,20 @@ def _base_repo(vllm_src: Path | None, repo: Path) -> None:
 def apply_patch(repo: Path, patch: Patch) -> None:
     """Write ``patch``'s changes into ``repo`` and commit them."""
     for change in patch.changes:
+        if isinstance(change, Diff):
+            try:
+                _git(repo, "apply", str(change.path))
+            except ExportError as e:
+                raise ExportError(
+                    f"{change.name} does not apply to this vLLM tree (the series "
+                    f"is written against vLLM 0.33.0): {e}"
+                ) from e
+            continue
         target = repo / change.path
-        if isinstance(change, NewFile):
-            if target.exists():
-                raise ExportError(f"{change.path}: already in this vLLM tree")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(change.text())
-        else:
-            if not target.is_file():
-                raise ExportError(f"{change.path}: not in this vLLM tree")
-            target.write_text(change.apply(target.read_text()))
+        if target.exists():
+            raise ExportError(f"{change.path}: already in this vLLM tree")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(change.text())
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", f"{patch.title}\n\n{patch.body}")
 

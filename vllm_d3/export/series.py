@@ -1,16 +1,13 @@
 """The upstream patch series, in the order a reviewer reads it
 (``vllm_d3.export``; docs/upstream.md lists what is still to come).
 
-Each ``Edit`` anchors on vLLM 0.33.0's own lines and replaces them with the
-same lines plus the change, so that the patch shows only the change. The code
-an edit adds calls functions of the new files; the rules live there, in the
-modules this package serves with.
+Each commit's changes to vLLM's own files are a diff in ``edits/``, which
+shows only the change; the code it adds calls functions of the new files, so
+the rules live there, in the modules this package serves with.
+``tests/test_export.py`` applies every diff and lints what it adds.
 """
 
-from . import Edit, NewFile, Patch
-
-_CONFIG = "vllm/model_executor/models/config.py"
-_CONVERTOR = "vllm/transformers_utils/model_arch_config_convertor.py"
+from . import Diff, NewFile, Patch
 
 CONTRACT = Patch(
     title="[Model] D3: serve prefix_bidir checkpoints' config contract",
@@ -34,121 +31,12 @@ The decision_config.json rules live in the new d3_contract module, shared by the
 config hook, the D3 read strategy and the worker in the following patches.""",
     changes=(
         NewFile("model_executor/models/d3_contract.py"),
-        Edit(
-            _CONVERTOR,
-            anchor="""\
-                hf_config.decision_config = get_hf_file_to_dict(
-                    "decision_config.json", model_path, revision
-                )
-        super().__init__(hf_config, hf_text_config, revision)
-""",
-            text="""\
-                hf_config.decision_config = get_hf_file_to_dict(
-                    "decision_config.json", model_path, revision
-                )
-        super().__init__(hf_config, hf_text_config, revision)
-
-    def is_mm_prefix_lm(self, supports_multimodal: bool = True) -> bool:
-        # Imported here: vllm.config imports this module first.
-        from vllm.model_executor.models.d3_contract import (
-            decision_config_of,
-            is_prefix_bidir,
-        )
-
-        # A D3 prefix_bidir checkpoint's state and question ranges must reach
-        # attention even when the deployment serves text only.
-        if is_prefix_bidir(decision_config_of(self.hf_config)):
-            return True
-        return super().is_mm_prefix_lm(supports_multimodal)
-""",
-        ),
-        Edit(
-            _CONFIG,
-            anchor="""\
-from vllm.logger import init_logger
-""",
-            text="""\
-from vllm.logger import init_logger
-from vllm.model_executor.models.d3_contract import (
-    ATTENTION_MODES,
-    PREFIX_BIDIR,
-    apply_validated_length,
-    attention_mode_of,
-    check_decision_fields,
-    check_prefix_bidir_serving,
-)
-""",
-        ),
-        Edit(
-            _CONFIG,
-            anchor="""\
-        attention_mode = decision.get("attention_mode", "causal")
-        if attention_mode not in ("causal", "noncausal_full_attention"):
-""",
-            text="""\
-        attention_mode = attention_mode_of(decision)
-        if attention_mode not in ATTENTION_MODES:
-""",
-        ),
-        Edit(
-            _CONFIG,
-            anchor="""\
-        # The full attention layers read the whole prompt in both directions;
-        # the Gated DeltaNet layers stay causal.
-        is_causal = attention_mode == "causal"
-        for config in {
-            id(config): config for config in (hf_config, model_config.hf_text_config)
-        }.values():
-            config.is_causal = is_causal
-""",
-            text="""\
-        # noncausal_full_attention: the full attention layers read the whole
-        # prompt in both directions; the Gated DeltaNet layers stay causal.
-        # prefix_bidir: the text layers stay decoder attention and read each
-        # request's state and question ranges (is_mm_prefix_lm).
-        is_causal = attention_mode != "noncausal_full_attention"
-        for config in {
-            id(config): config for config in (hf_config, model_config.hf_text_config)
-        }.values():
-            config.is_causal = is_causal
-        if attention_mode == PREFIX_BIDIR:
-            # The model as a whole is not causal: the state and each question
-            # read themselves both ways, so chunked prefill and prefix caching
-            # default to off.
-            hf_config.is_causal = False
-""",
-        ),
-        Edit(
-            _CONFIG,
-            anchor="""\
-        if pooler_config.use_activation is None:
-            pooler_config.use_activation = False
-
-
-class SnowflakeGteNewModelConfig(VerifyAndUpdateConfig):
-""",
-            text="""\
-        if pooler_config.use_activation is None:
-            pooler_config.use_activation = False
-
-        check_decision_fields(decision)
-        apply_validated_length(model_config, decision)
-
-    @staticmethod
-    def verify_and_update_config(vllm_config: "VllmConfig") -> None:
-        Qwen3_5ForConditionalGenerationConfig.verify_and_update_config(vllm_config)
-        check_prefix_bidir_serving(vllm_config)
-
-
-class SnowflakeGteNewModelConfig(VerifyAndUpdateConfig):
-""",
-        ),
+        Diff("01-contract.diff"),
     ),
     tests=("tests/test_config.py",),
     control="tests/test_config.py::test_prefix_bidir_contract",
 )
 
-_MIDDLEWARE = "vllm/entrypoints/serve/middleware/register.py"
 
 SYSTEMONE_BODIES = Patch(
     title="[Frontend] /v1/systemone: compressed bodies and multipart asset uploads",
@@ -173,40 +61,12 @@ It is added before the other middleware, so that CORS and the API key check
 wrap it. Every other route and every plain JSON body are untouched.""",
     changes=(
         NewFile("entrypoints/serve/middleware/systemone_body.py"),
-        Edit(
-            _MIDDLEWARE,
-            anchor="""\
-from .log_response import log_response
-""",
-            text="""\
-from .log_response import log_response
-from .systemone_body import add_systemone_body_middleware
-""",
-        ),
-        Edit(
-            _MIDDLEWARE,
-            anchor="""\
-    supported_tasks: tuple["SupportedTask", ...],
-):
-    app.add_middleware(
-        CORSMiddleware,
-""",
-            text="""\
-    supported_tasks: tuple["SupportedTask", ...],
-):
-    # First, so that the middleware added next (CORS, the API key) wraps it.
-    add_systemone_body_middleware(app)
-    app.add_middleware(
-        CORSMiddleware,
-""",
-        ),
+        Diff("02-systemone-bodies.diff"),
     ),
     tests=("tests/test_systemone_body.py",),
     control="tests/test_systemone_body.py::test_compressed_bodies",
 )
 
-_IO_PROCESSOR = "vllm/entrypoints/pooling/base/io_processor.py"
-_INPUT_PROCESSOR = "vllm/v1/engine/input_processor.py"
 
 STATE_TOKENS = Patch(
     title="[Frontend] D3: carry and check d3_state_tokens on every entry point",
@@ -227,65 +87,7 @@ single block and a bad one never reaches the engine core. Other models are
 untouched.""",
     changes=(
         NewFile("entrypoints/pooling/d3_state_tokens.py"),
-        Edit(
-            _IO_PROCESSOR,
-            anchor="""\
-from vllm.renderers.inputs.preprocess import parse_model_prompt, prompt_to_seq
-""",
-            text="""\
-from vllm.entrypoints.pooling.d3_state_tokens import with_state_tokens
-from vllm.renderers.inputs.preprocess import parse_model_prompt, prompt_to_seq
-""",
-        ),
-        Edit(
-            _IO_PROCESSOR,
-            anchor="""\
-    def create_pooling_params(self, request):
-        return request.to_pooling_params()
-""",
-            text="""\
-    def create_pooling_params(self, request):
-        return with_state_tokens(
-            self.model_config, request, request.to_pooling_params()
-        )
-""",
-        ),
-        Edit(
-            _INPUT_PROCESSOR,
-            anchor="""\
-from vllm.config import VllmConfig
-""",
-            text="""\
-from vllm.config import VllmConfig
-from vllm.entrypoints.pooling.d3_state_tokens import check_state_blocks
-""",
-        ),
-        Edit(
-            _INPUT_PROCESSOR,
-            anchor="""\
-        return EngineCoreRequest(
-""",
-            text="""\
-        request = EngineCoreRequest(
-""",
-        ),
-        Edit(
-            _INPUT_PROCESSOR,
-            anchor="""\
-            kv_hints=kv_hints,
-        )
-
-    def _validate_prompt_len(
-""",
-            text="""\
-            kv_hints=kv_hints,
-        )
-        check_state_blocks(self.vllm_config, request)
-        return request
-
-    def _validate_prompt_len(
-""",
-        ),
+        Diff("03-state-tokens.diff"),
     ),
     # Packed requests need the state-once decision, a later commit's.
     tests=(
@@ -295,8 +97,6 @@ from vllm.entrypoints.pooling.d3_state_tokens import check_state_blocks
     control="tests/test_entrypoints.py::test_bad_state_tokens_are_client_errors",
 )
 
-_DEFAULT_STATE = "vllm/v1/worker/gpu/model_states/default.py"
-_HYBRID_STATE = "vllm/v1/worker/gpu/model_states/mamba_hybrid.py"
 
 PREFIX_RANGES_HOOK = Patch(
     title="[Core] Model Runner V2: a get_mm_prefix_ranges hook for PrefixLM ranges",
@@ -312,88 +112,13 @@ every model gets today; for hybrid models it returns what the default state
 computes (None unless the model is an is_mm_prefix_lm multimodal model), and
 Mamba metadata builders do not read ranges. A model state that knows its
 requests' ranges overrides the hook (the D3 prefix_bidir state, next).""",
-    changes=(
-        Edit(
-            _DEFAULT_STATE,
-            anchor="""\
-    def prepare_attn(
-        self,
-        input_batch: InputBatch,
-""",
-            text="""\
-    def get_mm_prefix_ranges(
-        self, input_batch: InputBatch
-    ) -> dict[int, list[tuple[int, int]]] | None:
-        \"\"\"Per batch row, the PrefixLM ranges attention reads both ways
-        (inclusive ends), or None.\"\"\"
-        if not (
-            self.supports_mm_inputs
-            and self.encoder_cache is not None
-            and self.model_config.is_mm_prefix_lm
-        ):
-            return None
-        mm_features = self.encoder_cache.mm_features
-        hf_text_config = self.model_config.hf_text_config
-        return compute_mm_prefix_ranges(
-            [mm_features.get(req_id, ()) for req_id in input_batch.req_ids],
-            sliding_window=self.model_config.get_sliding_window(),
-            clamp_sliding_window=getattr(
-                self.model, "mm_prefix_clamp_sliding_window", False
-            )
-            or getattr(hf_text_config, "mm_prefix_clamp_sliding_window", False),
-            span_pad=getattr(self.model, "mm_prefix_span_leading_pad_modulus", 0),
-        )
-
-    def prepare_attn(
-        self,
-        input_batch: InputBatch,
-""",
-        ),
-        Edit(
-            _DEFAULT_STATE,
-            anchor="""\
-        req_doc_ranges: dict[int, list[tuple[int, int]]] | None = None
-        if (
-            self.supports_mm_inputs
-            and self.encoder_cache is not None
-            and self.model_config.is_mm_prefix_lm
-        ):
-            mm_features = self.encoder_cache.mm_features
-            hf_text_config = self.model_config.hf_text_config
-            req_doc_ranges = compute_mm_prefix_ranges(
-                [mm_features.get(req_id, ()) for req_id in input_batch.req_ids],
-                sliding_window=self.model_config.get_sliding_window(),
-                clamp_sliding_window=getattr(
-                    self.model, "mm_prefix_clamp_sliding_window", False
-                )
-                or getattr(hf_text_config, "mm_prefix_clamp_sliding_window", False),
-                span_pad=getattr(self.model, "mm_prefix_span_leading_pad_modulus", 0),
-            )
-""",
-            text="""\
-        req_doc_ranges = self.get_mm_prefix_ranges(input_batch)
-""",
-        ),
-        Edit(
-            _HYBRID_STATE,
-            anchor="""\
-            positions=input_batch.positions,
-            model_specific_attn_metadata=mamba_attn_metadata,
-""",
-            text="""\
-            positions=input_batch.positions,
-            mm_req_doc_ranges=self.get_mm_prefix_ranges(input_batch),
-            model_specific_attn_metadata=mamba_attn_metadata,
-""",
-        ),
-    ),
+    changes=(Diff("04-prefix-ranges-hook.diff"),),
     tests=("tests/test_model_state_hook.py",),
     control="tests/test_model_state_hook.py::"
     "test_the_hooks_ranges_reach_the_attention_builder",
     backports=("v1/worker/gpu/model_states/mamba_hybrid.py",),
 )
 
-_GDN = "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
 _D3_MODEL = "vllm/model_executor/models/d3.py"
 
 MODEL_STATE = Patch(
@@ -425,66 +150,8 @@ the per-question readout (models/d3_prefix_bidir.py); the other attention
 modes are unchanged.""",
     changes=(
         NewFile("model_executor/layers/mamba/gdn/packed_questions.py"),
-        Edit(
-            _GDN,
-            anchor="""\
-from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
-""",
-            text="""\
-from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
-from vllm.model_executor.layers.mamba.gdn.packed_questions import (
-    forward_packed_questions,
-)
-""",
-        ),
-        Edit(
-            _GDN,
-            anchor="""\
-            a: alpha gating vector                  (num_tokens, num_heads)
-            core_attn_out: Pre-allocated output buffer for attention results.
-
-        \"\"\"
-""",
-            text="""\
-            a: alpha gating vector                  (num_tokens, num_heads)
-            core_attn_out: Pre-allocated output buffer for attention results.
-
-        \"\"\"
-        # A step with packed D3 requests restarts every question from its
-        # request's state: this method runs once per phase.
-        if forward_packed_questions(
-            self, self._forward_core, mixed_qkv, b, a, core_attn_out
-        ):
-            return
-""",
-        ),
+        Diff("05-model-state.diff"),
         NewFile("model_executor/models/d3_prefix_bidir.py"),
-        Edit(
-            _D3_MODEL,
-            anchor="""\
-from .adapters import as_seq_cls_model
-""",
-            text="""\
-from .adapters import as_seq_cls_model
-from .d3_contract import decision_config_of, is_prefix_bidir
-from .d3_prefix_bidir import serve_prefix_bidir
-""",
-        ),
-        Edit(
-            _D3_MODEL,
-            anchor="""\
-                allow_patterns_overrides=[READOUT_WEIGHTS],
-            )
-        ]
-""",
-            text="""\
-                allow_patterns_overrides=[READOUT_WEIGHTS],
-            )
-        ]
-        if is_prefix_bidir(decision_config_of(model_config.hf_config)):
-            serve_prefix_bidir(self)
-""",
-        ),
         NewFile("v1/worker/gpu/model_states/d3_prefix_bidir.py"),
     ),
     tests=("tests/test_model_state.py",),
@@ -495,7 +162,6 @@ from .d3_prefix_bidir import serve_prefix_bidir
     ),
 )
 
-_STRATEGIES = "vllm/entrypoints/openai/decisions/strategies.py"
 
 STATE_BLOCK_READS = Patch(
     title="[Frontend] D3Strategy: state blocks, packed reads, d3-ultra temperature",
@@ -525,105 +191,7 @@ D3StateBlockReads (the new d3_reads module), a base of D3Strategy:
 Checkpoints that need none of it keep read's plain encodes.""",
     changes=(
         NewFile("entrypoints/openai/decisions/d3_reads.py"),
-        Edit(
-            _STRATEGIES,
-            anchor="""\
-from vllm.entrypoints.generate.label_reads import next_token_label_reads
-""",
-            text="""\
-from vllm.entrypoints.generate.label_reads import next_token_label_reads
-from vllm.entrypoints.openai.decisions.d3_reads import D3StateBlockReads
-""",
-        ),
-        Edit(
-            _STRATEGIES,
-            anchor="""\
-class D3Strategy(ReadStrategy):
-""",
-            text="""\
-class D3Strategy(D3StateBlockReads, ReadStrategy):
-""",
-        ),
-        Edit(
-            _STRATEGIES,
-            anchor="""\
-        assert isinstance(prompt, str)
-        return prompt
-
-    def _tokens(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-""",
-            text="""\
-        assert isinstance(prompt, str)
-        return prompt
-
-    def _tokens(self, text: str) -> list[int]:
-        # A request's questions share their head (d3_reads.py).
-        return self.question_tokens(
-            text, partial(self.tokenizer.encode, add_special_tokens=False)
-        )
-""",
-        ),
-        Edit(
-            _STRATEGIES,
-            anchor="""\
-        self.max_model_len = model_config.max_model_len
-        self.tokenizer = context.online_renderer.renderer.get_tokenizer()
-""",
-            text="""\
-        self.max_model_len = model_config.max_model_len
-        self.tokenizer = context.online_renderer.renderer.get_tokenizer()
-        self.init_state_blocks()
-""",
-        ),
-        Edit(
-            _STRATEGIES,
-            anchor="""\
-        logits = await asyncio.gather(
-            *(read_one(n, inputs) for n, inputs in enumerate(engine_inputs))
-        )
-
-        reads = []
-        for q, ids, code_logits in zip(questions, prompt_ids, logits):
-            texts, order = self._options(q)
-            scaled = [v / self.temperature for v in code_logits[: len(texts)]]
-""",
-            text="""\
-        input_tokens = [len(ids) for ids in prompt_ids]
-        if self.needs_state_block_reads:
-            # State blocks, packed questions, d3-ultra (d3_reads.py).
-            logits, input_tokens = await self.read_state_blocks(
-                engine_inputs,
-                PoolingParams(task="classify", use_activation=False),
-                questions,
-                state,
-                media,
-                request_id,
-                lora_request=lora_request,
-                trace_headers=trace_headers,
-                priority=priority,
-            )
-        else:
-            logits = await asyncio.gather(
-                *(read_one(n, inputs) for n, inputs in enumerate(engine_inputs))
-            )
-        temperature = self.temperature_for(len(questions))
-
-        reads = []
-        for q, tokens, code_logits in zip(questions, input_tokens, logits):
-            texts, order = self._options(q)
-            scaled = [v / temperature for v in code_logits[: len(texts)]]
-""",
-        ),
-        Edit(
-            _STRATEGIES,
-            anchor="""\
-                    input_tokens=len(ids),
-""",
-            text="""\
-                    input_tokens=tokens,
-""",
-        ),
+        Diff("06-state-block-reads.diff"),
     ),
     # The packed reads need the config hook's decision, a later commit's.
     tests=(
@@ -637,7 +205,6 @@ class D3Strategy(D3StateBlockReads, ReadStrategy):
     backports=("entrypoints/openai/decisions/strategies.py",),
 )
 
-_REGISTRY = "vllm/v1/attention/backends/registry.py"
 
 DENSE_ATTENTION = Patch(
     title="[Attention] D3 prefix_bidir: dense pieces on any GPU, state once",
@@ -674,65 +241,11 @@ packed path was validated on, unless --gdn-prefill-backend chose another. It
 writes its decisions under additional_config d3_decided, beside the user's
 switches, and logs each with its reason.""",
     changes=(
-        Edit(
-            _REGISTRY,
-            anchor="""\
-    TRITON_FLASH_ATTN = (
-        "vllm.v1.attention.backends.triton_flash_attn.TritonFlashAttentionBackend"
-    )
-""",
-            text="""\
-    TRITON_FLASH_ATTN = (
-        "vllm.v1.attention.backends.triton_flash_attn.TritonFlashAttentionBackend"
-    )
-    D3_PREFIX_BIDIR = (
-        "vllm.v1.attention.backends.d3_prefix_bidir.D3PrefixBidirAttentionBackend"
-    )
-""",
-        ),
-        NewFile(
-            "v1/attention/backends/d3_prefix_bidir.py",
-            in_tree=(
-                (
-                    """\
-#: The ``AttentionBackendEnum`` member the layers look this backend up by: the
-#: plugin registers it as ``CUSTOM``, a member every process has, so that a
-#: config naming it unpickles in spawned engine and worker processes (one added
-#: at run time would not).
-REGISTRY_MEMBER = "CUSTOM"
-""",
-                    """\
-#: The ``AttentionBackendEnum`` member the layers look this backend up by.
-REGISTRY_MEMBER = BACKEND_NAME
-""",
-                ),
-            ),
-        ),
+        Diff("07-dense-attention.diff"),
+        NewFile("v1/attention/backends/d3_prefix_bidir.py"),
         NewFile("v1/attention/backends/d3_dense_kernels.py"),
         NewFile("v1/attention/ops/dense_piece_attention.py"),
         NewFile("model_executor/models/d3_serving.py"),
-        Edit(
-            _CONFIG,
-            anchor="""\
-    check_prefix_bidir_serving,
-)
-""",
-            text="""\
-    check_prefix_bidir_serving,
-)
-from vllm.model_executor.models.d3_serving import select_prefix_bidir_serving
-""",
-        ),
-        Edit(
-            _CONFIG,
-            anchor="""\
-        check_prefix_bidir_serving(vllm_config)
-""",
-            text="""\
-        check_prefix_bidir_serving(vllm_config)
-        select_prefix_bidir_serving(vllm_config)
-""",
-        ),
     ),
     tests=(
         "tests/test_dense_attention.py",

@@ -27,6 +27,7 @@ from vllm.v1.attention.backends.composite import (
     MMPrefixAttentionRouting,
     create_composite_attention_backend,
 )
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
@@ -50,11 +51,13 @@ from vllm_d3.v1.attention.backends.d3_dense_kernels import (
 
 #: The backend's name in logs.
 BACKEND_NAME = "D3_PREFIX_BIDIR"
-#: The ``AttentionBackendEnum`` member the layers look this backend up by: the
-#: plugin registers it as ``CUSTOM``, a member every process has, so that a
-#: config naming it unpickles in spawned engine and worker processes (one added
-#: at run time would not).
-REGISTRY_MEMBER = "CUSTOM"
+#: The ``AttentionBackendEnum`` member the layers look this backend up by: its
+#: own in-tree; the plugin registers it as ``CUSTOM``, a member every process
+#: has, so that a config naming it unpickles in spawned engine and worker
+#: processes (one added at run time would not).
+REGISTRY_MEMBER = (
+    BACKEND_NAME if BACKEND_NAME in AttentionBackendEnum.__members__ else "CUSTOM"
+)
 
 # Under the "vllm" logger, so that it shares vLLM's handlers and level.
 logger = init_logger(f"vllm.{__name__}")
