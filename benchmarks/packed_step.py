@@ -2,15 +2,17 @@
 question block and as one prompt per question, in process.
 
 ``python -m benchmarks.packed_step --out FILE [--layers 16]
-[--shapes 280x92x4,290x80x16] [--copies 1] [--repeats 5] [--profile]``
+[--shapes 280x92x4,290x80x16] [--copies 1] [--repeats 5] [--profile]
+[--compilation-config JSON]``
 
 Contract:
 - A weight-less d3-turbo package is written to a temporary directory and cut
   to its first ``--layers`` decoder layers (d3-turbo repeats three Gated
   DeltaNet layers and one full-attention layer, so a multiple of 4 keeps the
   mix); ``vllm.LLM`` serves it in this process (``load_format="dummy"``, the
-  Triton GDN prefill, the package's max-model-len), its engine core in this
-  process too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+  Triton GDN prefill, the package's max-model-len, ``--compilation-config``
+  as vLLM takes it), its engine core in this process too
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 - Each shape ``SxQLxQ`` (state tokens, tokens per question, questions) is sent
   through ``LLM.classify`` three ways, fresh random token ids each call:
   ``packed`` (one prompt ``state || q1 || ... || qQ`` with
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copies", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compilation-config", type=json.loads, default=None)
     args = parser.parse_args(argv)
     shapes = [_shape(part) for part in args.shapes.split(",") if part]
     # Before vLLM starts an engine: its core in this process, for the profiler.
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             model=str(write_package(Path(scratch), args.layers)),
             load_format="dummy",
             gdn_prefill_backend=GDN_PREFILL_BACKEND,
+            compilation_config=args.compilation_config,
         )
 
         def call(way: str, shape: tuple[int, int, int]) -> float:
@@ -181,7 +185,14 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"{args.out.name}.{way.replace(' ', '-')}.txt"
                 (args.out.parent / name).write_text("\n\n".join(tables))
     args.out.write_text(
-        json.dumps({"layers": args.layers, "copies": args.copies, "results": results})
+        json.dumps(
+            {
+                "layers": args.layers,
+                "copies": args.copies,
+                "compilation_config": args.compilation_config,
+                "results": results,
+            }
+        )
     )
     return 0
 
