@@ -94,14 +94,19 @@ class RecordingEngine:
         )
 
 
-def make_strategy(path: str, state_once: bool = False, max_model_len: int = 4096):
+def make_strategy(
+    path: str,
+    state_once: bool = False,
+    max_model_len: int = 4096,
+    engine_cls: type = RecordingEngine,
+):
     """The strategy as the front end builds it. The config hook turns state once
     off without a Hopper GPU; ``state_once`` sets what it would decide there."""
     config = EngineArgs(model=path, max_model_len=max_model_len).create_engine_config()
     if "d3_decided" in config.additional_config:
         config.additional_config["d3_decided"]["d3_state_once"] = state_once
     renderer = renderer_from_config(config)
-    engine = RecordingEngine(config, 255)
+    engine = engine_cls(config, 255)
     online = OnlineRenderer(
         config.model_config,
         renderer,
@@ -438,6 +443,46 @@ def test_an_engine_error_fails_the_read_naming_it(make_checkpoint, state_once):
     with pytest.raises(ValueError, match="Failed to score the question: out of blocks"):
         read(strategy, "a state")
     assert len(engine.reads) == (1 if state_once else len(QUESTIONS))
+
+
+class HangingEngine(RecordingEngine):
+    """An engine whose encodes never finish: it counts those it was made to
+    leave, as vLLM's ``AsyncLLM.encode`` aborts its request when it is left."""
+
+    def __init__(self, vllm_config, num_codes: int):
+        super().__init__(vllm_config, num_codes)
+        self.started = 0
+        self.left = 0
+
+    async def encode(self, engine_input, params, request_id, **kwargs):
+        self.started += 1
+        try:
+            await asyncio.Event().wait()
+            yield None
+        except (asyncio.CancelledError, GeneratorExit):
+            self.left += 1
+            raise
+
+
+@pytest.mark.parametrize("state_once", [False, True])
+def test_a_cancelled_read_leaves_every_engine_request(make_checkpoint, state_once):
+    # vLLM cancels the handler of a client that disconnected (with_cancellation
+    # on /v1/systemone); the engine requests of its read must not run on.
+    strategy, engine = make_strategy(
+        make_checkpoint(weights=False), state_once=state_once, engine_cls=HangingEngine
+    )
+    expected = 1 if state_once else len(QUESTIONS)
+
+    async def cancel_mid_read():
+        task = asyncio.ensure_future(read_coroutine(strategy, "a state"))
+        while engine.started < expected:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_mid_read())
+    assert engine.left == engine.started == expected
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 import vllm_d3
 from vllm_d3 import patches
 from vllm_d3.entrypoints.serve.middleware.systemone_body import zstd
+from vllm_d3.testing.server import app_on_loopback
 
 ROUTE = "/v1/systemone"
 REQUEST = {
@@ -608,25 +609,8 @@ def test_the_typesafe_sdk_as_it_sends_by_default(client, recorder):
 @pytest.fixture(scope="module")
 def served_url(server):
     """The app of ``server`` behind uvicorn on loopback, for real HTTP clients."""
-    import threading
-    import time
-
-    import uvicorn
-
-    app = server[0].app
-    # Without the lifespan: it would start the engine client the tests replace.
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"
-    )
-    http_server = uvicorn.Server(config)
-    thread = threading.Thread(target=http_server.run, daemon=True)
-    thread.start()
-    while not http_server.started:
-        time.sleep(0.05)
-    port = http_server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    http_server.should_exit = True
-    thread.join()
+    with app_on_loopback(server[0].app) as url:
+        yield url
 
 
 def test_the_validation_sends_json_requests_through_the_sdk(

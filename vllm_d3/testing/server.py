@@ -15,6 +15,9 @@
   side's ``d3_state_once`` and a forced ``d3_attention_kernel`` would not both hold.
 - ``post(url, body)`` -> (HTTP status, JSON body); ``served_max_model_len(url)``
   reads ``/v1/models``.
+- ``app_on_loopback(app)``: an ASGI app (vLLM's, its engine client replaced)
+  behind uvicorn on a free loopback port, in a thread, for the CPU tests'
+  real HTTP clients; yields its URL.
 """
 
 import json
@@ -22,10 +25,14 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 #: The Gated DeltaNet prefill kernel every serving run here uses.
 GDN_PREFILL_BACKEND = "triton"
@@ -143,3 +150,24 @@ class Server:
             self.process.wait(60)
         except subprocess.TimeoutExpired:
             self.process.kill()
+
+
+@contextmanager
+def app_on_loopback(app: Any) -> Iterator[str]:
+    import uvicorn
+
+    # Without the lifespan: it would start the engine client the caller replaced.
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join()

@@ -1,0 +1,186 @@
+"""The soak driver on the CPU: ``benchmarks.soak`` against vLLM 0.33.0's real API
+app (its routes, request parsing, ``with_cancellation`` and the plugin's body
+middleware) behind uvicorn, the decision handler replaced by a stand-in.
+
+The stand-in answers after a delay (long states take longer than any
+cancellation waits), refuses what the engine would refuse (a state over the
+length, an image that does not decode) with a 400, and counts the requests
+whose handler vLLM cancelled when the client went away. Its answers are a
+function of the request, so repeated requests cannot drift.
+"""
+
+import asyncio
+import base64
+import hashlib
+import io
+import json
+import os
+import time
+
+import pytest
+import vllm.entrypoints.launchers.app as launchers_app
+from fastapi import Request
+from PIL import Image
+from vllm.entrypoints.common.cli_args import make_arg_parser
+from vllm.entrypoints.generate.structured_decisions.protocol import (
+    DecisionUsage,
+    StructuredDecisionResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+from vllm.plugins import load_general_plugins
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from benchmarks import soak
+from vllm_d3.testing.server import app_on_loopback
+
+MAX_WORDS = 2000
+LONG_WORDS = 150
+#: Longer than ``soak.CANCEL_AFTER_S``'s end: every cancelled request is cut.
+LONG_ANSWER_S = soak.CANCEL_AFTER_S[1] + 0.5
+
+
+class StandIn:
+    def __init__(self) -> None:
+        self.cancelled = 0
+        self.answered = 0
+
+    async def create_decision(self, request, raw_request: Request):
+        words = len(str(request.state or "").split())
+        if words > MAX_WORDS:
+            return refusal(f"state of {words} words is over {MAX_WORDS}")
+        for url in request.images or []:
+            try:
+                Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).load()
+            except Exception:
+                return refusal("image does not decode")
+        try:
+            await asyncio.sleep(LONG_ANSWER_S if words > LONG_WORDS else 0.02)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        self.answered += 1
+        return answer(request)
+
+
+def refusal(message: str) -> ErrorResponse:
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type="BadRequestError", code=400)
+    )
+
+
+def answer(request) -> StructuredDecisionResponse:
+    digest = hashlib.sha256(repr(request.state).encode()).digest()
+    answers = {}
+    for i, name in enumerate(request.questions):
+        p = digest[i % len(digest)] / 255
+        answers[name] = {
+            "type": "noul",
+            "noul": p,
+            "probabilities": {"yes": p, "no": 1 - p},
+        }
+    return StructuredDecisionResponse(
+        id="decision",
+        model="d3",
+        answers=answers,
+        usage=DecisionUsage(input_tokens=1, output_tokens=len(answers)),
+        diagnostics={},
+    )
+
+
+@pytest.fixture(scope="module")
+def served():
+    load_general_plugins()
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+    app = launchers_app.build_app(args, ("classify",))
+    stand_in = StandIn()
+    app.state.serving_structured_decisions = stand_in
+    with app_on_loopback(app) as url:
+        yield url, stand_in
+
+
+@pytest.fixture(scope="module")
+def results(served, tmp_path_factory):
+    url, stand_in = served
+    out = tmp_path_factory.mktemp("soak")
+    argv = ["--out", str(out), "--url", url, "--minutes", "4", "--minute-seconds", "2"]
+    argv += ["--clients", "8", "--seed", "3", "--server-pid", str(os.getpid())]
+    argv += ["--long-tokens", "200,400", "--max-model-len", str(MAX_WORDS)]
+    assert soak.main(argv) == 0
+    # vLLM cancels a handler once it sees the disconnect; give it the moment.
+    time.sleep(0.5)
+    return json.loads((out / "soak.json").read_text()), out, stand_in
+
+
+def test_the_results_have_the_issues_keys(results):
+    found, out, _ = results
+    keys = {"minutes", "clients", "by_outcome", "unanswered", "drift_max_dp"}
+    keys |= {"gpu_memory_growth_pct", "rss_growth_pct", "aborted_in_engine"}
+    assert keys | {"cancelled"} <= found.keys()
+    assert set(found["by_outcome"]) == {
+        "200",
+        "4xx",
+        "5xx",
+        "cancelled",
+        "client_timeout",
+        "connection_error",
+    }
+    assert (found["minutes"], found["clients"]) == (4, 8)
+    assert [m["minute"] for m in found["per_minute"]] == [1, 2, 3, 4]
+    assert (out / "soak.md").read_text().startswith("# Soak: 4 minutes, 8 clients")
+
+
+def test_every_kind_ran_and_was_counted(results):
+    found, _, stand_in = results
+    assert set(found["by_kind"]) == {"text", "media", "long", "cancel", "bad", "repeat"}
+    assert sum(found["by_outcome"].values()) == found["requests"]
+    assert found["by_outcome"]["200"] == stand_in.answered
+    failed = ("5xx", "client_timeout", "connection_error")
+    assert [found["by_outcome"][name] for name in failed] == [0, 0, 0]
+
+
+def test_accepted_requests_were_answered_and_bad_ones_refused(results):
+    found, _, _ = results
+    assert found["unanswered"] == 0
+    assert found["bad_not_refused"] == 0
+    assert found["by_outcome"]["4xx"] == found["by_kind"]["bad"]
+
+
+def test_each_closed_connection_cancelled_its_handler(results):
+    found, _, stand_in = results
+    assert found["cancelled"] == found["by_kind"]["cancel"] > 0
+    assert stand_in.cancelled == found["cancelled"]
+
+
+def test_repeats_are_compared_and_memory_sampled(results):
+    found, _, _ = results
+    assert found["drift_max_dp"] == 0.0
+    assert all(m["rss_mib"] > 0 for m in found["per_minute"])
+    assert found["rss_growth_pct"] is not None
+    # No engine behind the stand-in: no queue metrics, no GPU, no server log.
+    assert {m["running"] for m in found["per_minute"]} == {None}
+    assert found["gpu_memory_growth_pct"] is None and found["aborted_in_engine"] is None
+
+
+def test_growth_is_the_last_ten_minutes_against_minute_ten():
+    levels = [100.0] * 9 + [200.0] + [201.0] * 9 + [210.0]
+    assert soak.growth_pct(levels) == pytest.approx(5.0)
+    assert soak.growth_pct([100.0, 110.0, 120.0, 90.0]) == pytest.approx(1000 / 110)
+    assert soak.growth_pct([100.0, None]) is None
+
+
+def test_aborted_ids_are_read_from_the_log():
+    text = (
+        "INFO Aborted request(s) a-1,b-2.\nINFO other\nINFO Aborted request(s) c-3.\n"
+    )
+    assert soak.aborted_ids(text) == {"a-1", "b-2", "c-3"}
+
+
+def test_metrics_are_summed_over_label_sets():
+    text = (
+        "# HELP vllm:num_requests_running x\n"
+        'vllm:num_requests_running{engine="0"} 2.0\n'
+        'vllm:num_requests_running{engine="1"} 3.0\n'
+        "vllm:num_requests_waiting_x 9.0\n"
+    )
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    assert soak.metric_sums(text, names) == {"vllm:num_requests_running": 5.0}
