@@ -22,14 +22,18 @@ Contract:
   the long rows of both sides rather than one whole side. ``vllm_portable``
   (asked for by name) is the ``vllm`` servers with ``--additional-config
   '{"d3_attention_kernel": "torch_flash"}'`` (``rows.PORTABLE_KERNEL``, the
-  kernel ROCm gets), servers ``default-portable`` and ``long-portable``.
+  kernel ROCm gets), servers ``default-portable`` and ``long-portable``;
+  ``vllm_dp2`` (by name too) the ``vllm`` servers with ``--data-parallel-size
+  2`` (two GPUs of one host), servers ``default-dp2`` and ``long-dp2``. Each
+  server's ``memory`` names the GPUs it used (``vllm_side.MemoryPoller``).
 - Each latency row and load has an entry per side (``rows.SIDES``) and the
   ratios of their p50s (of their requests per second for a load), ``None``
   where a side was not measured: ``ratio`` (vllm / reference),
   ``ratio_per_question`` (vllm_per_question / reference) and
   ``speedup_state_once`` (above 1 where vllm is the faster: vllm_per_question
   p50 / vllm p50, or vllm req/s / vllm_per_question req/s), and
-  ``portable_over_default`` (vllm_portable / vllm, p50s or req/s).
+  ``portable_over_default`` (vllm_portable / vllm, p50s or req/s) and
+  ``dp2_over_default`` (vllm_dp2 / vllm, likewise).
 - ``--smoke``: a tiny package, one request per row and no warm-up (the
   start-up request warms up), long states scaled by ``SMOKE_STATE_SCALE``, 5 s
   throughput loads. Without CUDA the reference runs in float32 on the CPU and
@@ -111,6 +115,7 @@ VLLM_SIDES = {
         "-portable",
         [ADDITIONAL_CONFIG_FLAG, json.dumps({ATTENTION_KERNEL_KEY: PORTABLE_KERNEL})],
     ),
+    "vllm_dp2": ("-dp2", ["--data-parallel-size", "2"]),
     "vllm_per_question": (
         "-per-question",
         [ADDITIONAL_CONFIG_FLAG, json.dumps({STATE_ONCE_KEY: False})],
@@ -426,6 +431,7 @@ def _latency_entry(
         "portable_over_default": _quotient(
             sides["vllm_portable"], sides["vllm"], "p50_s"
         ),
+        "dp2_over_default": _quotient(sides["vllm_dp2"], sides["vllm"], "p50_s"),
     }
 
 
@@ -449,6 +455,9 @@ def _throughput_entry(
         ),
         "portable_over_default": _quotient(
             sides["vllm_portable"], sides["vllm"], "requests_per_s"
+        ),
+        "dp2_over_default": _quotient(
+            sides["vllm_dp2"], sides["vllm"], "requests_per_s"
         ),
     }
 

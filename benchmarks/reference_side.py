@@ -46,7 +46,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
 from vllm_d3.reference import ReferenceRuntime, RenderedQuestion
 from vllm_d3.reference import runtime as reference_runtime
 
-from .rows import Row
+from .rows import STATE_ONCE_SIDES, Row
 from .timing import Budget, RowGate, log, measure
 from .validation import GPU_ONLY_KERNEL_PACKAGES
 
@@ -118,18 +118,13 @@ def token_accounting(rendered: list[RenderedQuestion]) -> dict[str, Any]:
     once = s + sum(n - s for n in lengths)
     # vLLM splits a pack longer than its max_model_len; every benchmark row
     # fits one pack on the server that runs it, so the state is read once.
-    return {
-        "state_tokens": s,
-        "prompt_lengths": lengths,
-        "tokens_vllm": once,
-        "tokens_vllm_portable": once,
-        "tokens_vllm_per_question": sum(lengths),
-        "tokens_reference": once,
-        "state_reads_vllm": 1,
-        "state_reads_vllm_portable": 1,
-        "state_reads_vllm_per_question": len(lengths),
-        "state_reads_reference": 1,
-    }
+    accounting: dict[str, Any] = {"state_tokens": s, "prompt_lengths": lengths}
+    for side in STATE_ONCE_SIDES:
+        accounting[f"tokens_{side}"] = once
+        accounting[f"state_reads_{side}"] = 1
+    accounting["tokens_vllm_per_question"] = sum(lengths)
+    accounting["state_reads_vllm_per_question"] = len(lengths)
+    return accounting
 
 
 def gdn_kernels() -> dict[str, bool]:

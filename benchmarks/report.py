@@ -3,14 +3,14 @@
 Contract:
 - ``markdown(results)`` renders the results dictionary written by
   ``benchmarks.d3`` as markdown: latency rows with the p50 of each side
-  (``rows.SIDES``: vLLM state once, on the portable kernel, per question, the
-  reference), the
-  ratios of the p50s, the tokens each side computes per request and how many
-  times it reads the state; where a vLLM side has them, each row's HTTP
-  latency against the engine's time per request (``vllm_side.engine_time``);
-  throughput with each side's requests and questions per second and their
-  ratios; start-up and peak GPU memory of each server, skipped rows and the
-  environment. A side that did not run shows its status instead of a number.
+  (``rows.SIDES``: vLLM state once, on the portable kernel, on two GPUs, per
+  question, the reference), the ratios of the p50s, the tokens each side
+  computes per request and how many times it reads the state; where a vLLM
+  side has them, each row's HTTP latency against the engine's time per
+  request (``vllm_side.engine_time``); throughput with each side's requests
+  and questions per second and their ratios; start-up and peak GPU memory of
+  each server, skipped rows and the environment. A side that did not run
+  shows its status instead of a number.
 - ``plot(results, path)`` draws p50 latency against the state block size for
   the rows without media, every side measured, log-log. It returns a note: the
   file written, or why it was skipped (matplotlib missing, nothing measured).
@@ -29,11 +29,12 @@ from .rows import SIDES
 LABELS = {
     "vllm": "vLLM state once",
     "vllm_portable": "vLLM state once, portable kernel",
+    "vllm_dp2": "vLLM state once, 2 GPUs (DP=2)",
     "vllm_per_question": "vLLM per question",
     "reference": "reference",
 }
 #: What a cell holding one value per side, "a / b / c", lists.
-PER_SIDE = "state once / portable / per question / reference"
+PER_SIDE = "state once / portable / DP=2 / per question / reference"
 
 
 def _ok(side: dict[str, Any] | None) -> bool:
@@ -80,6 +81,7 @@ def _ratio_cells(entry: dict[str, Any]) -> str:
         "ratio_per_question",
         "speedup_state_once",
         "portable_over_default",
+        "dp2_over_default",
     )
     return " | ".join(_ratio(entry[key]) for key in keys)
 
@@ -104,6 +106,7 @@ def _latency_table(rows: list[dict[str, Any]]) -> list[str]:
             "per question / reference",
             "per question / state once",
             "portable / state once",
+            "DP=2 / state once",
             f"tokens computed: {PER_SIDE}",
             f"state reads: {PER_SIDE}",
         ]
@@ -179,6 +182,7 @@ def _throughput_table(loads: list[dict[str, Any]]) -> list[str]:
             "per question / reference",
             "state once / per question",
             "portable / state once",
+            "DP=2 / state once",
         ]
     )
     for load in loads:
@@ -199,17 +203,18 @@ def _throughput_table(loads: list[dict[str, Any]]) -> list[str]:
 
 def _startup_table(results: dict[str, Any]) -> list[str]:
     lines = [
-        "| | start-up to first answer (s) | peak GPU memory (GiB) | max_model_len "
-        "| full attention |",
-        "|---|---|---|---|---|",
+        "| | start-up to first answer (s) | peak GPU memory (GiB) | GPUs used "
+        "| max_model_len | full attention |",
+        "|---|---|---|---|---|---|",
     ]
     for name, group in results["vllm_servers"].items():
         startup, memory = group.get("startup", {}), group.get("memory", {})
         first = f"{startup['first_answer_s']:.1f}" if _ok(startup) else _status(startup)
         peak = _gib(memory["peak_memory_gib"]) if _ok(memory) else memory.get("status")
+        gpus = ", ".join(memory.get("gpus", []))
         lines.append(
             f"| vLLM, {name} server (`{shlex.join(group['command'][3:])}`) | {first} "
-            f"| {peak} | {startup.get('max_model_len', '')} "
+            f"| {peak} | {gpus} | {startup.get('max_model_len', '')} "
             f"| {startup.get('attention_kernel') or ''} |"
         )
     reference = results["reference"]
@@ -218,10 +223,10 @@ def _startup_table(results: dict[str, Any]) -> list[str]:
         lines.append(
             f"| reference ({startup['weights']}, {results['settings']['reference']}) "
             f"| {startup['first_answer_s']:.1f} "
-            f"| {_gib(reference.get('peak_memory_gib')) or 'n/a (CPU)'} | | |"
+            f"| {_gib(reference.get('peak_memory_gib')) or 'n/a (CPU)'} | | | |"
         )
     else:
-        lines.append(f"| reference | {_status(reference)} | | | |")
+        lines.append(f"| reference | {_status(reference)} | | | | |")
     return lines
 
 
@@ -323,7 +328,7 @@ def plot(results: dict[str, Any], path: Path) -> str:
         return "skipped: matplotlib is not installed"
     rows = [r for r in results["latency"] if not r["media"]]
     series = {}
-    for side, marker in zip(SIDES, ("o", "D", "^", "s"), strict=True):
+    for side, marker in zip(SIDES, ("o", "D", "v", "^", "s"), strict=True):
         points = sorted(
             (r["state_tokens"], r[side]["p50_s"], r["id"]) for r in rows if _ok(r[side])
         )

@@ -3,7 +3,8 @@ many clients with a mixed, seeded workload (GPU; ``--url`` drives a server
 that is already up).
 
 ``python -m benchmarks.soak --out DIR [--minutes 20] [--clients 64] [--seed 0]
-[--url URL [--server-pid PID] [--server-log FILE]] [--serve-arg=FLAG ...]``
+[--burst-minute M] [--url URL [--server-pid PID] [--server-log FILE]]
+[--serve-arg=FLAG ...]``
 
 Contract:
 - Without ``--url`` a weight-less d3-turbo package is written under
@@ -15,7 +16,9 @@ Contract:
   a request cancelled part-way (its connection closed after a random delay)
   in about 1 of 20, a bad input (``BAD_INPUTS``) in about 1 of 50, and one of
   ``REPEATED`` fixed requests in about 1 of 30, whose answers are held to
-  their first.
+  their first. ``--burst-minute M``: at minute M every client sends a state of
+  the longest ``--long-tokens`` at once (with 64 clients, more than an H200's
+  KV cache holds), which must queue and be answered (``burst``).
 - Per minute (``--minute-seconds``): requests by outcome (``OUTCOMES``), p50
   and p99 latency per kind, GPU memory used, the server's RSS (its process
   tree), vLLM's running and waiting requests from ``/metrics``. At the end:
@@ -134,8 +137,8 @@ class Workload:
         self.long_tokens = long_tokens
         self.max_model_len = max_model_len
 
-    def long_state(self) -> bytes:
-        tokens = self.rng.randint(*self.long_tokens)
+    def long_state(self, tokens: int | None = None) -> bytes:
+        tokens = tokens or self.rng.randint(*self.long_tokens)
         words = max(1, int(tokens * self.per_token))
         count = self.rng.choice((2, 4))
         return _json(
@@ -144,6 +147,10 @@ class Workload:
                 "questions": questions(self.rng, count),
             }
         )
+
+    def burst(self) -> Job:
+        """A longest state, which every client sends at once in the burst."""
+        return Job("burst", self.long_state(self.long_tokens[1]))
 
     def special_kind(self) -> str | None:
         """The kind of ``SHARES`` the next job is, or ``None`` for a row's."""
@@ -210,21 +217,33 @@ async def send(
     return outcome, flatten([reply.json()]) if outcome == "200" else None
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """When the soak runs (``time.monotonic`` seconds), how long its minute and a
+    request's patience are, and when the burst starts (``None``: no burst)."""
+
+    started: float
+    deadline: float
+    minute_s: float
+    timeout: float
+    burst_at: float | None
+
+
 async def client_loop(
     client: httpx.AsyncClient,
     workload: Workload,
-    deadline: float,
-    minute_s: float,
-    started: float,
-    timeout: float,
+    schedule: Schedule,
     outcomes: list[Outcome],
 ) -> None:
-    while time.monotonic() < deadline:
-        job = workload.next()
-        begun = time.monotonic()
-        outcome, answers = await send(client, job, timeout)
+    burst_due = schedule.burst_at is not None
+    while (begun := time.monotonic()) < schedule.deadline:
+        if burst_due and begun >= schedule.started + (schedule.burst_at or 0):
+            job, burst_due = workload.burst(), False
+        else:
+            job = workload.next()
+        outcome, answers = await send(client, job, schedule.timeout)
         ended = time.monotonic()
-        minute = int((ended - started) // minute_s)
+        minute = int((ended - schedule.started) // schedule.minute_s)
         outcomes.append(
             Outcome(minute, job.kind, outcome, ended - begun, answers, job.repeat)
         )
@@ -287,13 +306,12 @@ async def sample(
 async def sampler(
     client: httpx.AsyncClient,
     server_pid: int | None,
-    deadline: float,
-    minute_s: float,
+    schedule: Schedule,
     samples: list[dict[str, float | None]],
 ) -> None:
     """One sample at the end of every minute."""
-    while (left := deadline - time.monotonic()) > 0:
-        await asyncio.sleep(min(minute_s, left))
+    while (left := schedule.deadline - time.monotonic()) > 0:
+        await asyncio.sleep(min(schedule.minute_s, left))
         samples.append(await sample(client, server_pid))
 
 
@@ -302,12 +320,13 @@ async def drive(
     workload: Workload,
     *,
     clients: int,
-    seconds: float,
+    server_pid: int | None,
+    minutes: float,
     minute_s: float,
     timeout: float,
-    server_pid: int | None,
+    burst_minute: float | None,
 ) -> tuple[list[Outcome], list[dict[str, float | None]]]:
-    """Run ``clients`` client loops and the sampler for ``seconds``."""
+    """Run ``clients`` client loops and the sampler for ``minutes``."""
     outcomes: list[Outcome] = []
     samples: list[dict[str, float | None]] = []
     limits = httpx.Limits(
@@ -315,13 +334,14 @@ async def drive(
     )
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
         started = time.monotonic()
-        deadline = started + seconds
+        burst_at = None if burst_minute is None else burst_minute * minute_s
+        schedule = Schedule(
+            started, started + minutes * minute_s, minute_s, timeout, burst_at
+        )
         await asyncio.gather(
-            sampler(client, server_pid, deadline, minute_s, samples),
+            sampler(client, server_pid, schedule, samples),
             *(
-                client_loop(
-                    client, workload, deadline, minute_s, started, timeout, outcomes
-                )
+                client_loop(client, workload, schedule, outcomes)
                 for _ in range(clients)
             ),
         )
@@ -392,6 +412,18 @@ def aborted_ids(log_text: str) -> set[str]:
     return {i for ids in ABORT_LINE.findall(log_text) for i in ids.split(",")}
 
 
+def _burst(outcomes: list[Outcome]) -> dict[str, Any] | None:
+    """The burst's requests: how many were sent and answered, the slowest."""
+    burst = [o for o in outcomes if o.kind == "burst"]
+    if not burst:
+        return None
+    return {
+        "sent": len(burst),
+        "answered": sum(o.outcome == "200" for o in burst),
+        "slowest_s": max(o.seconds for o in burst),
+    }
+
+
 def summary(
     outcomes: list[Outcome],
     samples: list[dict[str, float | None]],
@@ -418,6 +450,7 @@ def summary(
         "rss_growth_pct": growth_pct([m["rss_mib"] for m in minutes]),
         "cancelled": counts["cancelled"],
         "aborted_in_engine": aborted,
+        "burst": _burst(outcomes),
         "per_minute": minutes,
     }
 
@@ -440,7 +473,7 @@ def report(results: dict[str, Any]) -> str:
         f"GPU memory growth {_pct(results['gpu_memory_growth_pct'])}, server RSS "
         f"growth {_pct(results['rss_growth_pct'])}; cancelled "
         f"{results['cancelled']}, aborted in the engine "
-        f"{results['aborted_in_engine']}.",
+        f"{results['aborted_in_engine']}; burst {results['burst']}.",
         "",
         "| minute | 200 | 4xx | 5xx | cancelled | timeout | connection error "
         "| text p50 / p99 (s) | GPU MiB | RSS MiB | running | waiting |",
@@ -543,10 +576,11 @@ def run(
             url,
             workload,
             clients=args.clients,
-            seconds=args.minutes * args.minute_seconds,
+            server_pid=server_pid,
+            minutes=args.minutes,
             minute_s=args.minute_seconds,
             timeout=args.request_timeout,
-            server_pid=server_pid,
+            burst_minute=args.burst_minute,
         )
     )
     aborted = len(aborted_ids(server_log.read_text())) if server_log else None
@@ -567,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=900)
     parser.add_argument("--long-tokens", type=_tokens, default=LONG_TOKENS)
+    parser.add_argument("--burst-minute", type=float)
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--url")
     parser.add_argument("--server-pid", type=int)

@@ -8,7 +8,8 @@ Contract:
   start-up (process start to the first HTTP 200 of ``/v1/systemone``), the
   latency rows one request at a time and the closed-loop loads, and stops it.
   While the server lives, ``nvidia-smi`` is polled: the peak of
-  ``memory.used`` (summed over the GPUs) less its value before the start.
+  ``memory.used`` (summed over the GPUs) less its value before the start, and
+  the GPUs it used (``gpus``: those whose own peak rose ``GPU_IN_USE_MIB``).
   A row or load that fails is recorded as failed; a server that does not come
   up fails every row of its group, with the end of its log. ``progress(result)``
   gets the server's result so far after start-up and after each row and load
@@ -54,6 +55,8 @@ from .timing import Budget, RowGate, log, measure
 REQUEST_TIMEOUT_S = 1800
 SERVER_START_TIMEOUT_S = 900
 POLL_INTERVAL_S = 0.5
+#: A GPU whose memory.used rose this much while a server lived was one it used.
+GPU_IN_USE_MIB = 1024
 #: Server log lines worth keeping: how vLLM split the GPU memory.
 MEMORY_LOG = re.compile(
     r"model loading took|available kv cache memory|gpu kv cache size"
@@ -78,13 +81,23 @@ def serve_flags(checkpoint: str, extra: list[str]) -> list[str]:
     return flags + extra
 
 
-def gpu_memory_used_mib() -> float | None:
-    """``memory.used`` summed over the GPUs, or ``None`` without nvidia-smi."""
+def parse_gpu_memory(text: str) -> dict[str, float]:
+    """``nvidia-smi --query-gpu=index,name,memory.used`` CSV (no header, no
+    units) as MiB used by GPU, named "INDEX NAME"."""
+    used = {}
+    for line in text.strip().splitlines():
+        index, name, mib = (part.strip() for part in line.split(","))
+        used[f"{index} {name}"] = float(mib)
+    return used
+
+
+def gpu_memory_by_gpu() -> dict[str, float] | None:
+    """MiB used on each GPU, or ``None`` without nvidia-smi."""
     try:
         out = subprocess.run(
             [
                 "nvidia-smi",
-                "--query-gpu=memory.used",
+                "--query-gpu=index,name,memory.used",
                 "--format=csv,noheader,nounits",
             ],
             capture_output=True,
@@ -94,25 +107,47 @@ def gpu_memory_used_mib() -> float | None:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return sum(float(line) for line in out.split())
+    return parse_gpu_memory(out)
+
+
+def gpu_memory_used_mib() -> float | None:
+    """``memory.used`` summed over the GPUs, or ``None`` without nvidia-smi."""
+    used = gpu_memory_by_gpu()
+    return None if used is None else sum(used.values())
+
+
+def gpus_in_use(baseline: dict[str, float], peaks: dict[str, float]) -> list[str]:
+    """The GPUs whose peak rose ``GPU_IN_USE_MIB`` above their baseline."""
+    return [
+        gpu for gpu, peak in peaks.items() if peak - baseline[gpu] >= GPU_IN_USE_MIB
+    ]
 
 
 class MemoryPoller:
-    """Polls ``gpu_memory_used_mib`` in a thread and keeps the peak."""
+    """Polls ``gpu_memory_by_gpu`` in a thread and keeps the peak of the sum
+    and of each GPU."""
 
     def __init__(self) -> None:
-        self.baseline_mib = gpu_memory_used_mib()
+        self.baseline = gpu_memory_by_gpu()
+        self.baseline_mib = (
+            None if self.baseline is None else sum(self.baseline.values())
+        )
         self.peak_mib = self.baseline_mib
+        self.peaks = dict(self.baseline or {})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
-        if self.baseline_mib is not None:
+        if self.baseline is not None:
             self._thread.start()
 
     def _poll(self) -> None:
         while not self._stop.wait(POLL_INTERVAL_S):
-            used = gpu_memory_used_mib()
-            if used is not None and (self.peak_mib is None or used > self.peak_mib):
-                self.peak_mib = used
+            used = gpu_memory_by_gpu()
+            if used is None:
+                continue
+            if self.peak_mib is None or sum(used.values()) > self.peak_mib:
+                self.peak_mib = sum(used.values())
+            for gpu, mib in used.items():
+                self.peaks[gpu] = max(self.peaks.get(gpu, 0.0), mib)
 
     def stop(self) -> dict[str, Any]:
         self._stop.set()
@@ -125,6 +160,7 @@ class MemoryPoller:
             "peak_memory_gib": (self.peak_mib - self.baseline_mib) / 1024,
             "peak_used_gib": self.peak_mib / 1024,
             "baseline_gib": self.baseline_mib / 1024,
+            "gpus": gpus_in_use(self.baseline or {}, self.peaks),
         }
 
 

@@ -78,9 +78,11 @@ def test_smoke_writes_the_markdown_table_and_plot(smoke):
     assert (
         "| row | questions | state tokens | vLLM state once p50 (ms) "
         "| vLLM state once, portable kernel p50 (ms) "
+        "| vLLM state once, 2 GPUs (DP=2) p50 (ms) "
         "| vLLM per question p50 (ms) | reference p50 (ms) "
         "| state once / reference | per question / reference "
-        "| per question / state once | portable / state once |"
+        "| per question / state once | portable / state once "
+        "| DP=2 / state once |"
     ) in text
     assert "| vLLM per question req/s | vLLM per question questions/s |" in text
     for row in LATENCY_ROWS:
@@ -206,10 +208,12 @@ def test_token_accounting_counts_each_side():
         "prompt_lengths": [15, 12, 20],
         "tokens_vllm": 10 + 5 + 2 + 10,
         "tokens_vllm_portable": 10 + 5 + 2 + 10,
+        "tokens_vllm_dp2": 10 + 5 + 2 + 10,
         "tokens_vllm_per_question": 15 + 12 + 20,
         "tokens_reference": 10 + 5 + 2 + 10,
         "state_reads_vllm": 1,
         "state_reads_vllm_portable": 1,
+        "state_reads_vllm_dp2": 1,
         "state_reads_vllm_per_question": 3,
         "state_reads_reference": 1,
     }
@@ -239,6 +243,7 @@ def test_usage_is_judged_against_each_vllm_sides_own_count():
                     "input_tokens": [per_question_usage],
                 },
                 "vllm_portable": {"status": "not run (--sides)"},
+                "vllm_dp2": {"status": "not run (--sides)"},
                 "reference": {"status": "ok", "p50_s": 2.0},
             },
         )
@@ -281,6 +286,28 @@ def test_each_vllm_server_has_a_per_question_twin():
     assert [(name, rows) for _, name, _, rows, _ in smoke] == [
         ("default-per-question", rows)
     ]
+
+
+def test_the_dp2_side_serves_on_two_gpus_beside_one():
+    loads = [Load("tput-text-64", "text", 64)]
+    groups = d3.server_groups(False, ["vllm", "vllm_dp2"], [], loads, one_server=True)
+    long_flags = ["--max-model-len", "131072"]
+    assert [(side, name, flags) for side, name, flags, _, _ in groups] == [
+        ("vllm", "one", long_flags),
+        ("vllm_dp2", "one-dp2", [*long_flags, "--data-parallel-size", "2"]),
+    ]
+
+
+def test_a_server_names_the_gpus_whose_memory_it_took():
+    from benchmarks import vllm_side
+
+    smi = "0, NVIDIA H200, 1.0\n1, NVIDIA H200, 600.0\n"
+    baseline = vllm_side.parse_gpu_memory(smi)
+    assert baseline == {"0 NVIDIA H200": 1.0, "1 NVIDIA H200": 600.0}
+    one = {"0 NVIDIA H200": 90_000.0, "1 NVIDIA H200": 900.0}
+    assert vllm_side.gpus_in_use(baseline, one) == ["0 NVIDIA H200"]
+    two = {"0 NVIDIA H200": 90_000.0, "1 NVIDIA H200": 91_000.0}
+    assert vllm_side.gpus_in_use(baseline, two) == ["0 NVIDIA H200", "1 NVIDIA H200"]
 
 
 def test_one_server_per_side_serves_everything_at_the_long_length():
@@ -596,19 +623,20 @@ def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
     line = next(line for line in lines if line.startswith(f"| {four['label']} |"))
     cells = [cell.strip() for cell in line.split("|")[1:-1]]
     assert len(cells) == header.count("|") - 1
-    # The p50 of state once, the portable side (not run), per question and the
-    # reference, then the ratios (the portable one not measured).
+    # The p50 of state once, the portable and DP=2 sides (not run), per
+    # question and the reference, then the ratios (the last two not measured).
     p50s = [report._ms(four[side]["p50_s"]) for side in d3.DEFAULT_SIDES]
-    assert cells[3:7] == [p50s[0], "not run (--sides)", *p50s[1:]]
+    not_run = "not run (--sides)"
+    assert cells[3:8] == [p50s[0], not_run, not_run, *p50s[1:]]
     ratios = ("ratio", "ratio_per_question", "speedup_state_once")
-    assert cells[7:11] == [*(f"{four[key]:.3g}" for key in ratios), ""]
-    # Tokens and state reads of state once / portable / per question / the
-    # reference.
+    assert cells[8:13] == [*(f"{four[key]:.3g}" for key in ratios), "", ""]
+    # Tokens and state reads of state once / portable / DP=2 / per question /
+    # the reference.
     assert (
         f"| {four['tokens_vllm']:,} (usage.input_tokens [400]) "
-        f"/ {four['tokens_vllm_portable']:,} "
+        f"/ {four['tokens_vllm_portable']:,} / {four['tokens_vllm_dp2']:,} "
         f"/ {four['tokens_vllm_per_question']:,} (usage.input_tokens [400]) "
-        f"/ {four['tokens_reference']:,} | 1 / 1 / 4 / 1 |"
+        f"/ {four['tokens_reference']:,} | 1 / 1 / 1 / 4 / 1 |"
     ) in text
     assert "default server (`--gdn-prefill-backend triton --load-format" in text
     # HTTP against engine time, with the front end's share where one HTTP

@@ -105,6 +105,7 @@ def results(served, tmp_path_factory):
     argv = ["--out", str(out), "--url", url, "--minutes", "4", "--minute-seconds", "2"]
     argv += ["--clients", "8", "--seed", "3", "--server-pid", str(os.getpid())]
     argv += ["--long-tokens", "200,400", "--max-model-len", str(MAX_WORDS)]
+    argv += ["--burst-minute", "1"]
     assert soak.main(argv) == 0
     # vLLM cancels a handler once it sees the disconnect; give it the moment.
     time.sleep(0.5)
@@ -131,7 +132,8 @@ def test_the_results_have_the_issues_keys(results):
 
 def test_every_kind_ran_and_was_counted(results):
     found, _, stand_in = results
-    assert set(found["by_kind"]) == {"text", "media", "long", "cancel", "bad", "repeat"}
+    kinds = {"text", "media", "long", "cancel", "bad", "repeat", "burst"}
+    assert set(found["by_kind"]) == kinds
     assert sum(found["by_outcome"].values()) == found["requests"]
     assert found["by_outcome"]["200"] == stand_in.answered
     failed = ("5xx", "client_timeout", "connection_error")
@@ -143,6 +145,14 @@ def test_accepted_requests_were_answered_and_bad_ones_refused(results):
     assert found["unanswered"] == 0
     assert found["bad_not_refused"] == 0
     assert found["by_outcome"]["4xx"] == found["by_kind"]["bad"]
+
+
+def test_the_burst_sends_one_longest_state_per_client_and_each_is_answered(results):
+    found, _, _ = results
+    assert found["burst"]["sent"] == found["by_kind"]["burst"] == 8
+    assert found["burst"]["answered"] == 8
+    # Answered together: each took the stand-in's time for a long state.
+    assert LONG_ANSWER_S <= found["burst"]["slowest_s"] < 2 * LONG_ANSWER_S
 
 
 def test_each_closed_connection_cancelled_its_handler(results):
