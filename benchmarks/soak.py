@@ -186,7 +186,7 @@ class Workload:
 @dataclass
 class Outcome:
     """What one job got: the minute it ended in, its outcome and latency, and
-    the answers of a 200."""
+    a repeated request's answers (of a 200)."""
 
     minute: int
     kind: str
@@ -244,8 +244,10 @@ async def client_loop(
         outcome, answers = await send(client, job, schedule.timeout)
         ended = time.monotonic()
         minute = int((ended - schedule.started) // schedule.minute_s)
+        # Only a repeated request's answers are compared: keep no others.
+        kept = answers if job.repeat is not None else None
         outcomes.append(
-            Outcome(minute, job.kind, outcome, ended - begun, answers, job.repeat)
+            Outcome(minute, job.kind, outcome, ended - begun, kept, job.repeat)
         )
 
 
