@@ -8,13 +8,15 @@ that is already up).
 
 Contract:
 - Without ``--url`` a weight-less d3-turbo package is written under
-  ``OUT/work`` and served with ``--max-model-len 131072``, the test servers'
-  flags, ``--enable-log-requests --max-log-len 0`` (its log then names each
-  request the engine aborts) and ``--serve-arg``; the state is read once.
+  ``OUT/work`` and served with ``--max-model-len`` (131072 by default; the
+  over-long bad input is twice it), the test servers' flags,
+  ``--enable-log-requests --max-log-len 0`` (its log then names each request
+  the engine aborts) and ``--serve-arg``; the state is read once.
 - Each client sends one request after another until the time is up: the text
   and media rows' requests, a long state (``--long-tokens``) in about 1 of 20,
   a request cancelled part-way (its connection closed after a random delay)
-  in about 1 of 20, a bad input (``BAD_INPUTS``) in about 1 of 50, and one of
+  in about 1 of 20, a bad input in about 1 of 50 (``BAD_BODIES``, then the
+  validation's bad /v1/systemone bodies, ``validation.bad_inputs``), and one of
   ``REPEATED`` fixed requests in about 1 of 30, whose answers are held to
   their first. ``--burst-minute M``: at minute M every client sends a state of
   the longest ``--long-tokens`` at once (with 64 clients, more than an H200's
@@ -53,8 +55,12 @@ from vllm_d3.testing.requests import (
     text_state,
     words_per_token,
 )
+from vllm_d3.testing.server import Server
 
+from .startup import package
 from .timing import log
+from .validation import LONG_MAX_MODEL_LEN, bad_inputs
+from .vllm_side import gpu_memory_used_mib, serve_flags
 
 ROUTE = "/v1/systemone"
 #: ``connection_error``: the connection failed or closed with no reply.
@@ -71,12 +77,11 @@ CANCEL_AFTER_S = (0.2, 3.0)
 #: Memory growth is the last ``GROWTH_WINDOW`` minutes against this minute.
 GROWTH_FROM_MINUTE = 10
 GROWTH_WINDOW = 10
-BAD_INPUTS = (
-    "malformed JSON",
-    "wrong types",
-    "over-long state",
-    "broken image",
-    "bad zstd",
+#: The soak's own bad bodies, beside the validation's: (what, body, headers).
+BAD_BODIES: tuple[tuple[str, bytes, dict[str, str]], ...] = (
+    ("malformed JSON", b'{"state": "x", "questions": {', {}),
+    ("wrong types", b'{"state": "x", "questions": ["not", "a", "mapping"]}', {}),
+    ("bad zstd", b"\x00 this is not a zstd frame \xff", {"content-encoding": "zstd"}),
 )
 ABORT_LINE = re.compile(r"Aborted request\(s\) (\S+)\.")
 
@@ -97,22 +102,15 @@ def _json(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
 
 
-def bad_input(what: str, rng: random.Random, max_model_len: int) -> Job:
-    """A body the server must refuse with a 4xx."""
-    q = questions(rng, 1)
-    bodies = {
-        "malformed JSON": b'{"state": "x", "questions": {',
-        "wrong types": _json({"state": "x", "questions": ["not", "a", "mapping"]}),
-        "over-long state": _json(
-            {"state": "word " * (2 * max_model_len), "questions": q}
-        ),
-        "broken image": _json(
-            {"state": "x", "questions": q, "images": ["data:image/png;base64,AAAA"]}
-        ),
-        "bad zstd": rng.randbytes(64),
-    }
-    headers = {"content-encoding": "zstd"} if what == "bad zstd" else {}
-    return Job("bad", bodies[what], headers)
+def bad_jobs(max_model_len: int) -> list[Job]:
+    """The bodies the server must refuse with a 4xx, one job each."""
+    jobs = [Job("bad", body, headers) for _, body, headers in BAD_BODIES]
+    # The validation's bad /v1/systemone bodies (the prompt ids it also takes
+    # are for its /classify ones).
+    for _, route, body in bad_inputs([1], 1, max_model_len):
+        if route == ROUTE:
+            jobs.append(Job("bad", _json(body)))
+    return jobs
 
 
 class Workload:
@@ -135,7 +133,7 @@ class Workload:
         self.repeated = [_json(r) for r in self.text[:REPEATED]]
         self.per_token = per_token
         self.long_tokens = long_tokens
-        self.max_model_len = max_model_len
+        self.bad = bad_jobs(max_model_len)
 
     def long_state(self, tokens: int | None = None) -> bytes:
         tokens = tokens or self.rng.randint(*self.long_tokens)
@@ -178,7 +176,7 @@ class Workload:
                 cancel_after=self.rng.uniform(*CANCEL_AFTER_S),
             )
         if kind == "bad":
-            return bad_input(self.rng.choice(BAD_INPUTS), self.rng, self.max_model_len)
+            return self.rng.choice(self.bad)
         index = self.rng.randrange(REPEATED)
         return Job("repeat", self.repeated[index], repeat=index)
 
@@ -290,8 +288,6 @@ async def sample(
     client: httpx.AsyncClient, server_pid: int | None
 ) -> dict[str, float | None]:
     """GPU memory, the server's RSS and vLLM's queue, now."""
-    from .vllm_side import gpu_memory_used_mib
-
     names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     try:
         queue = metric_sums((await client.get("/metrics")).text, names)
@@ -522,12 +518,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def serve_and_drive(args: argparse.Namespace) -> dict[str, Any]:
     """Serve the package (or drive ``--url``) and return the results."""
-    from vllm_d3.testing.server import Server
-
-    from .startup import package
-    from .validation import LONG_MAX_MODEL_LEN
-    from .vllm_side import serve_flags
-
     if args.url:
         return run(
             args,
@@ -546,7 +536,7 @@ def serve_and_drive(args: argparse.Namespace) -> dict[str, Any]:
         str(checkpoint),
         [
             "--max-model-len",
-            str(LONG_MAX_MODEL_LEN),
+            str(args.max_model_len),
             "--enable-log-requests",
             "--max-log-len",
             "0",
@@ -604,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=900)
     parser.add_argument("--long-tokens", type=_tokens, default=LONG_TOKENS)
     parser.add_argument("--burst-minute", type=float)
-    parser.add_argument("--max-model-len", type=int, default=131072)
+    parser.add_argument("--max-model-len", type=int, default=LONG_MAX_MODEL_LEN)
     parser.add_argument("--url")
     parser.add_argument("--server-pid", type=int)
     parser.add_argument("--server-log", type=Path)

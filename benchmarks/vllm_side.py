@@ -144,8 +144,9 @@ class MemoryPoller:
             used = gpu_memory_by_gpu()
             if used is None:
                 continue
-            if self.peak_mib is None or sum(used.values()) > self.peak_mib:
-                self.peak_mib = sum(used.values())
+            total = sum(used.values())
+            if self.peak_mib is None or total > self.peak_mib:
+                self.peak_mib = total
             for gpu, mib in used.items():
                 self.peaks[gpu] = max(self.peaks.get(gpu, 0.0), mib)
 

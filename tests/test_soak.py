@@ -3,8 +3,9 @@ app (its routes, request parsing, ``with_cancellation`` and the plugin's body
 middleware) behind uvicorn, the decision handler replaced by a stand-in.
 
 The stand-in answers after a delay (long states take longer than any
-cancellation waits), refuses what the engine would refuse (a state over the
-length, an image that does not decode) with a 400, and counts the requests
+cancellation waits), refuses what vLLM's serving would refuse (a state over
+the length, a question type it does not know, an image that does not decode)
+with a 400, and counts the requests
 whose handler vLLM cancelled when the client went away. Its answers are a
 function of the request, so repeated requests cannot drift.
 """
@@ -34,6 +35,7 @@ from benchmarks import soak
 from vllm_d3.testing.server import app_on_loopback
 
 MAX_WORDS = 2000
+QUESTION_TYPES = ("noul", "choice", "score")
 LONG_WORDS = 150
 #: Longer than ``soak.CANCEL_AFTER_S``'s end: every cancelled request is cut.
 LONG_ANSWER_S = soak.CANCEL_AFTER_S[1] + 0.5
@@ -48,6 +50,9 @@ class StandIn:
         words = len(str(request.state or "").split())
         if words > MAX_WORDS:
             return refusal(f"state of {words} words is over {MAX_WORDS}")
+        for name, spec in request.questions.items():
+            if spec.type not in QUESTION_TYPES:
+                return refusal(f"question {name!r} has an unknown type {spec.type!r}")
         for url in request.images or []:
             try:
                 Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).load()
