@@ -1,24 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The state cache's key and hit limit on vLLM 0.33.0's real KV cache manager.
+"""The state cache's key, hit limit and scheduling on vLLM 0.33.0's real KV
+cache manager and scheduler.
 
 A hybrid cache (a full-attention group and a Gated DeltaNet group in Mamba
 "align" mode, as prefix caching gives Qwen3.5) holds a first request's blocks;
-later requests ask it for their longest hit. The first request is computed in
-chunks that end at 32 and 48, so that the Gated DeltaNet states there are
-cached: the stand-in for the state cache's checkpoint at the state's last
-whole block (docs/state-cache.md), which one D3 step does not take today.
-The controls ask without the key or without the limit: vLLM's own hashing
-then shares blocks whose contents differ.
+later requests ask it for their longest hit. In the manager's tests the first
+request is computed in chunks that end at 32 and 48, so that the Gated DeltaNet
+states there are cached; the scheduler's tests take vLLM's prefill checkpoint
+instead, which a state-only request puts at its state's last whole block
+(docs/state-cache.md). The controls ask without the key, without the limit or
+with vLLM's own scheduler: blocks whose contents differ are then shared, or a
+prompt is cut.
 """
 
 import pytest
 import torch
+from vllm.engine.arg_utils import EngineArgs
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.pooling_params import PoolingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -26,8 +30,14 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
 )
 from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_d3.v1.core.d3_state_cache import state_cache_salt, state_hit_limit
+from vllm_d3.v1.core.d3_state_cache import (
+    request_state_tokens,
+    state_cache_salt,
+    state_hit_limit,
+)
+from vllm_d3.v1.core.sched.scheduler import D3AsyncScheduler, D3Scheduler
 
 BLOCK = 16
 #: The first request: a 40-token state (its last whole block ends at 32)
@@ -37,11 +47,56 @@ QUESTIONS = list(range(2000, 2012)) + list(range(3000, 3010))
 IMAGE = ("image-a", PlaceholderRange(offset=34, length=4))
 
 
-def _features(image: tuple[str, PlaceholderRange] | None):
-    if image is None:
-        return None
-    identifier, position = image
-    return [MultiModalFeatureSpec(None, "image", identifier, position)]
+def hybrid_cache_config(checkpoint: bool = False) -> KVCacheConfig:
+    """A full-attention group and a Gated DeltaNet group in align mode. By
+    default no prefill checkpoint, as with the GDN prefill the plugin serves
+    with (Triton); FlashInfer's exports one."""
+    attention = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    gdn = MambaSpec(
+        block_size=BLOCK,
+        shapes=((4, 8),),
+        dtypes=(torch.float16,),
+        mamba_cache_mode="align",
+        num_prefill_checkpoint_blocks=int(checkpoint),
+        prefill_checkpoint_alignment=BLOCK if checkpoint else None,
+    )
+    return KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["attention"], attention),
+            KVCacheGroupSpec(["gdn"], gdn),
+        ],
+    )
+
+
+def d3_request(
+    request_id: str,
+    state: list[int],
+    questions: list[int],
+    *,
+    keyed: bool = True,
+    user_salt: str | None = None,
+    image: tuple[str, PlaceholderRange] | None = IMAGE,
+) -> Request:
+    """A prefix_bidir request ``state || questions``, keyed by its whole state
+    (or, ``keyed=False``, by vLLM's hashes alone)."""
+    media = [] if image is None else [image[0]]
+    salt = state_cache_salt(user_salt, state, media) if keyed else user_salt
+    features = None
+    if image is not None:
+        features = [MultiModalFeatureSpec(None, "image", image[0], image[1])]
+    return Request(
+        request_id,
+        state + questions,
+        None,
+        PoolingParams(task="classify", extra_kwargs={"d3_state_tokens": len(state)}),
+        mm_features=features,
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
 
 
 class Cache:
@@ -49,27 +104,7 @@ class Cache:
 
     def __init__(self, checkpoint: bool = False) -> None:
         init_none_hash(sha256)
-        attention = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float16
-        )
-        # By default no prefill checkpoint, as with the GDN prefill the plugin
-        # serves with (Triton); FlashInfer's exports one.
-        gdn = MambaSpec(
-            block_size=BLOCK,
-            shapes=((4, 8),),
-            dtypes=(torch.float16,),
-            mamba_cache_mode="align",
-            num_prefill_checkpoint_blocks=int(checkpoint),
-            prefill_checkpoint_alignment=BLOCK if checkpoint else None,
-        )
-        config = KVCacheConfig(
-            num_blocks=64,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(["attention"], attention),
-                KVCacheGroupSpec(["gdn"], gdn),
-            ],
-        )
+        config = hybrid_cache_config(checkpoint)
         self.manager = KVCacheManager(
             config,
             max_model_len=1024,
@@ -77,32 +112,11 @@ class Cache:
             hash_block_size=BLOCK,
             enable_caching=True,
         )
-        self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.count = 0
 
-    def request(
-        self,
-        state: list[int],
-        questions: list[int],
-        *,
-        keyed: bool = True,
-        user_salt: str | None = None,
-        image: tuple[str, PlaceholderRange] | None = IMAGE,
-    ) -> Request:
-        """A prefix_bidir request ``state || questions``, keyed by its whole
-        state (or, ``keyed=False``, by vLLM's hashes alone)."""
+    def request(self, state: list[int], questions: list[int], **key) -> Request:
         self.count += 1
-        media = [] if image is None else [image[0]]
-        salt = state_cache_salt(user_salt, state, media) if keyed else user_salt
-        return Request(
-            f"r{self.count}",
-            state + questions,
-            None,
-            PoolingParams(task="classify"),
-            mm_features=_features(image),
-            cache_salt=salt,
-            block_hasher=self.hasher,
-        )
+        return d3_request(f"r{self.count}", state, questions, **key)
 
     def compute(self, request: Request, chunk_ends: list[int]) -> None:
         """Compute ``request`` in chunks ending at ``chunk_ends``; the manager
@@ -116,7 +130,9 @@ class Cache:
     def hit(self, request: Request, *, limited: bool = True) -> int:
         """The tokens a later request finds cached, within the state's limit
         (or, ``limited=False``, vLLM's default limit)."""
-        limit = state_hit_limit(len(STATE), request.num_tokens, BLOCK)
+        state_tokens = request_state_tokens(request)
+        assert state_tokens is not None
+        limit = state_hit_limit(state_tokens, request.num_tokens)
         _, hit, _ = self.manager.get_computed_blocks(
             request, limit if limited else None
         )
@@ -205,7 +221,97 @@ def test_the_key_covers_exactly_the_state_and_its_media():
 
 @pytest.mark.parametrize(
     ("state_tokens", "num_tokens", "limit"),
-    [(40, 62, 32), (32, 62, 32), (15, 30, 0), (48, 49, 48), (48, 48, 47)],
+    [(40, 62, 40), (15, 30, 15), (48, 49, 48), (48, 48, 47)],
 )
 def test_the_hit_limit(state_tokens: int, num_tokens: int, limit: int):
-    assert state_hit_limit(state_tokens, num_tokens, BLOCK) == limit
+    assert state_hit_limit(state_tokens, num_tokens) == limit
+
+
+def test_prefix_caching_puts_the_gdn_cache_in_align_mode(make_checkpoint):
+    # What the scheduling must work with, shown on the causal sibling (the
+    # plugin's hooks off): prefix caching keeps Gated DeltaNet states on block
+    # boundaries, and vLLM then requires chunked prefill, which the scheduler
+    # splits at those boundaries.
+    model = make_checkpoint(attention_mode="causal", weights=False)
+    config = EngineArgs(model=model, enable_prefix_caching=True).create_engine_config()
+    assert config.cache_config.mamba_cache_mode == "align"
+    assert config.cache_config.mamba_block_size == config.cache_config.block_size
+    assert config.scheduler_config.enable_chunked_prefill
+    unchunked = EngineArgs(
+        model=model, enable_prefix_caching=True, enable_chunked_prefill=False
+    )
+    # vLLM asserts it inside its config validation, which reports a ValueError.
+    with pytest.raises(ValueError, match="Chunked prefill is required"):
+        unchunked.create_engine_config()
+
+
+@pytest.fixture
+def make_scheduler(make_checkpoint):
+    """A scheduler of vLLM's over the hybrid cache, with prefix caching on, a
+    64-token budget and async scheduling off; the engine config is the causal
+    sibling's (the same hybrid model), which vLLM accepts with prefix caching."""
+    config = EngineArgs(
+        model=make_checkpoint(attention_mode="causal", weights=False),
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        block_size=BLOCK,
+        async_scheduling=False,
+    ).create_engine_config()
+    config.cache_config.num_gpu_blocks = 64
+    init_none_hash(sha256)
+
+    def make(cls: type[Scheduler], checkpoint: bool = False) -> Scheduler:
+        return cls(
+            config,
+            hybrid_cache_config(checkpoint),
+            StructuredOutputManager(config),
+            block_size=BLOCK,
+            hash_block_size=BLOCK,
+        )
+
+    return make
+
+
+def schedule(scheduler: Scheduler, *requests: Request) -> dict[str, tuple[int, int]]:
+    """One step after adding ``requests``: each new request's (cached tokens,
+    scheduled tokens)."""
+    for request in requests:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    return {
+        new.req_id: (new.num_computed_tokens, out.num_scheduled_tokens[new.req_id])
+        for new in out.scheduled_new_reqs
+    }
+
+
+@pytest.mark.parametrize("cls", [D3Scheduler, D3AsyncScheduler])
+def test_a_prompt_is_scheduled_whole_or_waits(make_scheduler, cls):
+    scheduler = make_scheduler(cls)
+    a = d3_request("a", STATE, QUESTIONS)
+    b = d3_request("b", STATE, list(range(4000, 4022)), user_salt="tenant-b")
+    # 62 + 62 tokens against a budget of 64: b waits for the next step.
+    assert schedule(scheduler, a, b) == {"a": (0, 62)}
+    assert schedule(scheduler) == {"b": (0, 62)}
+
+
+def test_vllm_alone_cuts_prompts(make_scheduler):
+    # Control: align mode cuts a at the last block boundary before its end
+    # (48), and chunked prefill gives b what is left of the budget.
+    scheduler = make_scheduler(Scheduler)
+    a = d3_request("a", STATE, QUESTIONS)
+    b = d3_request("b", STATE, list(range(4000, 4022)), user_salt="tenant-b")
+    assert schedule(scheduler, a, b) == {"a": (0, 48), "b": (0, 16)}
+
+
+@pytest.mark.parametrize(("cls", "hit"), [(D3Scheduler, 32), (Scheduler, 48)])
+def test_a_state_read_first_is_reused_within_the_state(make_scheduler, cls, hit):
+    scheduler = make_scheduler(cls, checkpoint=True)
+    # The state alone first: vLLM's prefill checkpoint is then the state's
+    # last whole block (32).
+    assert schedule(scheduler, d3_request("state", STATE, [])) == {"state": (0, 40)}
+    assert schedule(scheduler, d3_request("a", STATE, QUESTIONS)) == {"a": (32, 30)}
+    # a's own checkpoint is its prompt's last whole block (48), among its
+    # questions: only vLLM's own scheduler (the control) reuses it.
+    again = d3_request("again", STATE, QUESTIONS)
+    assert schedule(scheduler, again) == {"again": (hit, 62 - hit)}

@@ -11,12 +11,19 @@ those blocks' hashes while their contents differ. ``state_cache_salt`` keys a
 request by its whole state (token ids and media identifiers) under the user's
 own ``cache_salt``: vLLM hashes the salt into the first block and its parent
 chain carries it to every later one. ``state_hit_limit`` keeps a hit inside
-the state, where only whole matching states share blocks.
+the state, where only whole matching states share blocks; the scheduler reads
+a request's state size with ``request_state_tokens``.
 """
 
 import hashlib
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from vllm_d3.model_executor.models.d3_contract import STATE_TOKENS_KEY, state_tokens_of
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 #: Versions the key: a change of what it covers must not meet older entries.
 _KEY_VERSION = "d3-state-v1"
@@ -33,9 +40,19 @@ def state_cache_salt(
     return f"{_KEY_VERSION}:{digest.hexdigest()}"
 
 
-def state_hit_limit(state_tokens: int, num_tokens: int, unit: int) -> int:
-    """The longest prefix-cache hit a prefix_bidir request may take: whole
-    ``unit``-token blocks inside its state block (the blocks past it hold
-    question tokens, which read their whole question), and never its last
-    token (the readout needs it computed)."""
-    return min(state_tokens // unit * unit, num_tokens - 1)
+def state_hit_limit(state_tokens: int, num_tokens: int) -> int:
+    """The longest prefix-cache hit a prefix_bidir request may take, in
+    tokens: inside its state block (a block past it holds question tokens,
+    which read their whole question), and never its last token (the readout
+    needs it computed). vLLM's manager takes whole cached blocks within it."""
+    return min(state_tokens, num_tokens - 1)
+
+
+def request_state_tokens(request: "Request") -> int | None:
+    """The state block size a prefix_bidir request carries; ``None`` for a
+    request without one (the front end refuses those on a prefix_bidir model)."""
+    params = request.pooling_params
+    extra = None if params is None else params.extra_kwargs
+    if not extra or STATE_TOKENS_KEY not in extra:
+        return None
+    return state_tokens_of(extra, request.num_prompt_tokens)

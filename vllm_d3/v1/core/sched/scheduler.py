@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Scheduling prefix_bidir requests with prefix caching on
+(upstream: ``v1/core/sched/scheduler.py``, an edit of three of its methods).
+
+Prefix caching of a hybrid model needs chunked prefill and Mamba "align" mode,
+whose scheduler cuts a prompt where the token budget, a block boundary or an
+encoder cap ends. A prefix_bidir prompt's state and question blocks read
+themselves both ways, so it is scheduled whole or waits: ``D3Scheduler``
+(and ``D3AsyncScheduler``, for async scheduling) keeps each request that
+carries a state block size from being cut, and bounds its prefix-cache hit by
+``state_hit_limit``. Requests without one are scheduled as vLLM does.
+"""
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from vllm_d3.v1.core.d3_state_cache import request_state_tokens, state_hit_limit
+
+
+class D3Scheduler(Scheduler):
+    def _get_local_prefix_cache_hit(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        state_tokens = request_state_tokens(request)
+        if state_tokens is not None:
+            limit = state_hit_limit(state_tokens, request.num_tokens)
+            if max_cache_hit_length is None or limit < max_cache_hit_length:
+                max_cache_hit_length = limit
+        return super()._get_local_prefix_cache_hit(request, max_cache_hit_length)
+
+    def _mamba_block_aligned_split(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        if request_state_tokens(request) is not None:
+            # Not at block boundaries: the Gated DeltaNet state the cache
+            # needs is the one at the state block's last cacheable boundary,
+            # taken inside the step (docs/state-cache.md).
+            return num_new_tokens
+        return super()._mamba_block_aligned_split(
+            request,
+            num_new_tokens,
+            num_new_local_computed_tokens,
+            num_external_computed_tokens,
+        )
+
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        # The last cut of a step's tokens before they are scheduled: whatever
+        # cut a prefix_bidir prompt (the token budget, an encoder cap), it waits.
+        num_new_tokens = super()._reserve_prefill_lookahead(
+            request, num_computed_tokens, num_new_tokens
+        )
+        if request_state_tokens(request) is None:
+            return num_new_tokens
+        whole = num_computed_tokens + num_new_tokens >= request.num_tokens
+        return num_new_tokens if whole else 0
+
+
+class D3AsyncScheduler(D3Scheduler, AsyncScheduler):
+    pass
