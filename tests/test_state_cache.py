@@ -17,6 +17,7 @@ prompt is cut.
 import pytest
 import torch
 from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.generate.base.protocol import validate_cache_salt
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.pooling_params import PoolingParams
 from vllm.utils.hashing import sha256
@@ -215,8 +216,8 @@ def test_the_key_covers_exactly_the_state_and_its_media():
     assert salt != state_cache_salt(None, STATE, [])
     assert salt != state_cache_salt(None, STATE, ["image-a", "image-a"])
     assert salt != state_cache_salt("", STATE, ["image-a"])
-    # vLLM's request validation: at most 128 characters, none of "@/\\" or NUL.
-    assert len(salt) <= 128 and not set(salt) & set("@/\\\0")
+    # What vLLM's requests accept as a cache_salt.
+    validate_cache_salt(salt)
 
 
 @pytest.mark.parametrize(
@@ -302,6 +303,17 @@ def test_vllm_alone_cuts_prompts(make_scheduler):
     a = d3_request("a", STATE, QUESTIONS)
     b = d3_request("b", STATE, list(range(4000, 4022)), user_salt="tenant-b")
     assert schedule(scheduler, a, b) == {"a": (0, 48), "b": (0, 16)}
+
+
+@pytest.mark.parametrize(
+    ("cls", "scheduled"), [(D3Scheduler, {}), (Scheduler, {"a": (0, 34)})]
+)
+def test_an_encoder_cap_makes_a_prompt_wait(make_scheduler, cls, scheduled):
+    # An encoder budget too small for the image at 34: vLLM's own scheduler
+    # (the control) computes the prompt up to the image; the state must wait.
+    scheduler = make_scheduler(cls)
+    scheduler.max_num_encoder_input_tokens = 2
+    assert schedule(scheduler, d3_request("a", STATE, QUESTIONS)) == scheduled
 
 
 @pytest.mark.parametrize(("cls", "hit"), [(D3Scheduler, 32), (Scheduler, 48)])
