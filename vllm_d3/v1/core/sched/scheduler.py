@@ -27,8 +27,9 @@ class D3Scheduler(Scheduler):
         state_tokens = request_state_tokens(request)
         if state_tokens is not None:
             limit = state_hit_limit(state_tokens, request.num_tokens)
-            if max_cache_hit_length is None or limit < max_cache_hit_length:
-                max_cache_hit_length = limit
+            if max_cache_hit_length is not None:
+                limit = min(limit, max_cache_hit_length)
+            max_cache_hit_length = limit
         return super()._get_local_prefix_cache_hit(request, max_cache_hit_length)
 
     def _mamba_block_aligned_split(
