@@ -3,36 +3,44 @@ question block and as one prompt per question, in process.
 
 ``python -m benchmarks.packed_step --out FILE [--layers 16]
 [--shapes 280x92x4,290x80x16] [--copies 1] [--repeats 5] [--profile]
-[--compilation-config JSON]``
+[--compilation-config JSON] [--max-model-len N]``
 
 Contract:
 - A weight-less d3-turbo package is written to a temporary directory and cut
   to its first ``--layers`` decoder layers (d3-turbo repeats three Gated
   DeltaNet layers and one full-attention layer, so a multiple of 4 keeps the
   mix); ``vllm.LLM`` serves it in this process (``load_format="dummy"``, the
-  Triton GDN prefill, the package's max-model-len, ``--compilation-config``
-  as vLLM takes it), its engine core in this process too
+  Triton GDN prefill, ``--max-model-len`` or else the package's,
+  ``--compilation-config`` as vLLM takes it), its engine core in this process too
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 - Each shape ``SxQLxQ`` (state tokens, tokens per question, questions) is sent
-  through ``LLM.classify`` three ways, fresh random token ids each call:
+  through ``LLM.classify`` four ways, fresh random token ids each call:
   ``packed`` (one prompt ``state || q1 || ... || qQ`` with
-  ``d3_question_ends``: the state read once), ``one block`` (the same prompt as
-  a single question block: the same tokens through the single-phase path) and
+  ``d3_question_ends``: the state read once), ``packed, two phases`` (the same
+  with ``STATE_REREAD_TOKENS_MAX`` set to 0 for the call: the Gated DeltaNet in
+  two phases whatever the step's size), ``one block`` (the same prompt as a
+  single question block: the same tokens through the single-phase path) and
   ``per question`` (Q prompts ``state || qi``, one step). ``--copies N``
   sends N such requests in each call, each with its own state and questions,
   as N clients' requests share a step. Two untimed calls, then the median
   wall-clock time of ``--repeats``.
-- ``--profile``: torch profiler tables (by total and self CPU time, and by
-  CUDA time) of one ``packed`` and one ``one block`` call of the first shape,
-  written beside ``FILE`` as ``FILE.packed.txt`` and ``FILE.one-block.txt``.
-- Writes ``FILE`` (JSON: the layers, the copies and a list of ``{"shape",
-  "way", "median_ms", "samples_ms"}``) and prints a line per shape and way.
+- ``--profile``: one more call of each shape and way under torch's profiler:
+  its GPU timeline (``gpu_timeline``) and its gzipped chrome trace beside
+  ``FILE`` (``FILE.<shape>.<way>.trace.json.gz``, the way's words joined by
+  ``-``); for the first shape the profiler tables (by total and self CPU
+  time, and by CUDA time) of every way's call but ``per question``
+  (``FILE.packed.txt``, ``FILE.packed-two-phases.txt``, ``FILE.one-block.txt``).
+- Writes ``FILE`` (JSON: the layers, the copies, a list of ``{"shape",
+  "way", "median_ms", "samples_ms"}`` and, with ``--profile``, ``timelines``:
+  ``{"shape", "way", ...}`` with the timeline's fields) and prints a line per
+  shape and way.
   CUDA only.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import os
@@ -40,9 +48,11 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_d3.model_executor.layers.mamba.gdn import packed_questions
 from vllm_d3.model_executor.models.d3_contract import (
     QUESTION_ENDS_KEY,
     STATE_TOKENS_KEY,
@@ -50,14 +60,20 @@ from vllm_d3.model_executor.models.d3_contract import (
 from vllm_d3.testing.server import GDN_PREFILL_BACKEND
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 
+from .gpu_timeline import timeline
 from .validation import VALIDATED_LENGTH
 
-WAYS = ("packed", "one block", "per question")
+WAYS = ("packed", "packed, two phases", "one block", "per question")
+#: The way that sends a packed request with the one-scan form of small steps
+#: off (the engine core runs in this process, so the rule can be set per call).
+TWO_PHASES = "packed, two phases"
 #: Token ids drawn for the prompts: ordinary text tokens of the D3 tokenizer.
 TOKEN_IDS = (1000, 50000)
 WARMUP_CALLS = 2
 #: The profiler tables written with --profile, by what they sort on.
 PROFILE_SORTS = ("cpu_time_total", "self_cpu_time_total", "cuda_time_total")
+#: The host annotation around a profiled call.
+CALL_SPAN = "d3_packed_step_call"
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -88,7 +104,7 @@ def prompts(
     """(token ids, extra_kwargs) of the prompts that send ``way``."""
     s = len(state)
     packed = state + [t for q in questions for t in q]
-    if way == "packed":
+    if way in ("packed", TWO_PHASES):
         ends = list(itertools.accumulate((len(q) for q in questions), initial=s))
         return [(packed, {STATE_TOKENS_KEY: s, QUESTION_ENDS_KEY: ends[1:]})]
     if way == "one block":
@@ -113,6 +129,47 @@ def step_prompts(
     return sent
 
 
+def _slug(way: str) -> str:
+    return "-".join(way.replace(",", "").split())
+
+
+def profile_calls(
+    call: Callable[[str, tuple[int, int, int]], float],
+    shapes: list[tuple[int, int, int]],
+    out: Path,
+) -> list[dict[str, Any]]:
+    """Profile one call of each shape and way: its GPU timeline (returned), its
+    gzipped chrome trace beside ``out``, and for the first shape the tables."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    timelines = []
+    for shape, way in itertools.product(shapes, WAYS):
+        with (
+            profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as run,
+            record_function(CALL_SPAN),
+        ):
+            call(way, shape)
+        label = f"{'x'.join(map(str, shape))}.{_slug(way)}"
+        with tempfile.TemporaryDirectory() as scratch:
+            trace_file = Path(scratch) / "trace.json"
+            run.export_chrome_trace(str(trace_file))
+            trace = trace_file.read_bytes()
+        (out.parent / f"{out.name}.{label}.trace.json.gz").write_bytes(
+            gzip.compress(trace)
+        )
+        summary = timeline(json.loads(trace)["traceEvents"], CALL_SPAN)
+        timelines.append({"shape": label.split(".")[0], "way": way, **summary})
+        print(f"{label}: {json.dumps(summary)[:300]}")
+        if shape == shapes[0] and way != "per question":
+            averages = run.key_averages()
+            tables = [
+                averages.table(sort_by=key, row_limit=40) for key in PROFILE_SORTS
+            ]
+            name = f"{out.name}.{_slug(way)}.txt"
+            (out.parent / name).write_text("\n\n".join(tables))
+    return timelines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -122,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compilation-config", type=json.loads, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
     args = parser.parse_args(argv)
     shapes = [_shape(part) for part in args.shapes.split(",") if part]
     # Before vLLM starts an engine: its core in this process, for the profiler.
@@ -136,19 +194,28 @@ def main(argv: list[str] | None = None) -> int:
             load_format="dummy",
             gdn_prefill_backend=GDN_PREFILL_BACKEND,
             compilation_config=args.compilation_config,
+            max_model_len=args.max_model_len,
         )
 
         def call(way: str, shape: tuple[int, int, int]) -> float:
             sent = step_prompts(way, shape, args.copies, rng)
+            shipped = packed_questions.STATE_REREAD_TOKENS_MAX
+            if way == TWO_PHASES:
+                packed_questions.STATE_REREAD_TOKENS_MAX = 0
             started = time.perf_counter()
-            llm.classify(
-                [TokensPrompt(prompt_token_ids=ids) for ids, _ in sent],
-                pooling_params=[
-                    PoolingParams(task="classify", use_activation=False, extra_kwargs=x)
-                    for _, x in sent
-                ],
-                use_tqdm=False,
-            )
+            try:
+                llm.classify(
+                    [TokensPrompt(prompt_token_ids=ids) for ids, _ in sent],
+                    pooling_params=[
+                        PoolingParams(
+                            task="classify", use_activation=False, extra_kwargs=x
+                        )
+                        for _, x in sent
+                    ],
+                    use_tqdm=False,
+                )
+            finally:
+                packed_questions.STATE_REREAD_TOKENS_MAX = shipped
             return (time.perf_counter() - started) * 1e3
 
         results = []
@@ -170,27 +237,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"{args.layers} layers, {args.copies} x {shape}: {way} "
                     f"{median:.1f} ms"
                 )
-        if args.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            for way in ("packed", "one block"):
-                with profile(
-                    activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]
-                ) as profiled:
-                    call(way, shapes[0])
-                averages = profiled.key_averages()
-                tables = [
-                    averages.table(sort_by=key, row_limit=40) for key in PROFILE_SORTS
-                ]
-                name = f"{args.out.name}.{way.replace(' ', '-')}.txt"
-                (args.out.parent / name).write_text("\n\n".join(tables))
+        timelines = profile_calls(call, shapes, args.out) if args.profile else []
     args.out.write_text(
         json.dumps(
             {
                 "layers": args.layers,
                 "copies": args.copies,
                 "compilation_config": args.compilation_config,
+                "max_model_len": args.max_model_len,
                 "results": results,
+                "timelines": timelines,
             }
         )
     )

@@ -692,6 +692,10 @@ def test_packed_step_sends_the_same_questions_three_ways(tmp_path):
     assert packed_step.prompts("one block", state, questions) == [
         (packed, {"d3_state_tokens": 3})
     ]
+    # The two-phase way sends the packed request itself (only the rule differs).
+    assert packed_step.prompts(packed_step.TWO_PHASES, state, questions) == [
+        (packed, extra)
+    ]
     # Copies: one request each, with its own state and questions.
     rng = random.Random(0)
     copies = packed_step.step_prompts("packed", (3, 2, 4), 3, rng)
@@ -705,6 +709,38 @@ def test_packed_step_sends_the_same_questions_three_ways(tmp_path):
     text = json.loads((package / "config.json").read_text())["text_config"]
     assert text["num_hidden_layers"] == 8
     assert text["layer_types"].count("full_attention") == 2
+
+
+def test_gpu_timeline_finds_where_the_gpu_waits():
+    from benchmarks.gpu_timeline import timeline
+
+    def kernel(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "call", "ts": 1000, "dur": 9000},
+        # The profiler's copy of the annotation on the GPU's timeline.
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "call", "ts": 3000, "dur": 5},
+        kernel("before the call", 0, 1500),  # clipped to [1000, 1500)
+        kernel("a", 3000, 1000),
+        kernel("b", 3500, 1000),  # overlaps a: busy until 4500
+        kernel("copy", 6500, 500, cat="gpu_memcpy"),
+        kernel("c", 7000, 1000),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 4500, "dur": 2000},
+    ]
+    summary = timeline(events, "call")
+    # GPU busy 1000-1500, 3000-4500, 6500-8000; the call ends at 10000.
+    assert summary["call_ms"] == 9.0
+    assert summary["gpu_busy_ms"] == 0.5 + 1.5 + 1.5
+    assert summary["before_first_kernel_ms"] == 0.0
+    assert summary["after_last_kernel_ms"] == 2.0
+    assert summary["idle_between_ms"] == 1.5 + 2.0
+    assert summary["largest_gaps"] == [
+        {"at_ms": 3.5, "ms": 2.0, "after": "b", "before": "copy"},
+        {"at_ms": 0.5, "ms": 1.5, "after": "before the call", "before": "a"},
+    ]
+    with pytest.raises(ValueError, match="no GPU work"):
+        timeline(events[:1], "call")
 
 
 def test_serve_args_end_every_servers_flags():

@@ -14,6 +14,9 @@ import sys
 import pytest
 import torch
 
+from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
+    STATE_REREAD_TOKENS_MAX,
+)
 from vllm_d3.testing.gdn_kernels import CACHE_SLOTS, ENVIRONMENT
 from vllm_d3.testing.model_runner import STEP
 
@@ -70,13 +73,15 @@ def runs(make_checkpoint, tmp_path_factory):
         read.extend(range(start, start + length))
         start += n
     read_tokens = torch.tensor(read)
+    # (step, inputs, the plugin's core, questions per scan, states re-read)
     cases = {
-        "gathered": (STEP, inputs, True, 64),
-        "views": (alone, alone_inputs, True, 64),
-        "two-per-scan": (STEP, inputs, True, 2),
-        "one-scan": (STEP, inputs, False, 64),
-        "own-prompts": (rows, tuple(x[own] for x in inputs), True, 64),
-        "read-alone": (read_alone, tuple(x[read_tokens] for x in inputs), True, 64),
+        "gathered": (STEP, inputs, True, 64, 0),
+        "views": (alone, alone_inputs, True, 64, 0),
+        "two-per-scan": (STEP, inputs, True, 2, 0),
+        "states-re-read": (STEP, inputs, True, 64, STATE_REREAD_TOKENS_MAX),
+        "one-scan": (STEP, inputs, False, 64, 0),
+        "own-prompts": (rows, tuple(x[own] for x in inputs), True, 64, 0),
+        "read-alone": (read_alone, tuple(x[read_tokens] for x in inputs), True, 64, 0),
     }
     folder = tmp_path_factory.mktemp("gdn-kernels")
     torch.save(
@@ -86,8 +91,9 @@ def runs(make_checkpoint, tmp_path_factory):
                 "inputs": case_inputs,
                 "restart": restart,
                 "questions_per_scan": per_scan,
+                "state_reread_tokens_max": reread,
             }
-            for step, case_inputs, restart, per_scan in cases.values()
+            for step, case_inputs, restart, per_scan, reread in cases.values()
         ],
         folder / "cases.pt",
     )
@@ -128,7 +134,9 @@ def max_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return ((out.float() - expected.float()).abs().max() / expected.abs().max()).item()
 
 
-@pytest.mark.parametrize("case", ["gathered", "two-per-scan", "views"])
+@pytest.mark.parametrize(
+    "case", ["gathered", "two-per-scan", "views", "states-re-read"]
+)
 def test_packed_questions_equal_their_own_prompts_on_vllms_kernels(runs, case):
     expected = own_outputs(runs)
     if case == "views":
@@ -161,3 +169,13 @@ def test_the_packed_step_writes_only_its_rows_state_slots(runs, case):
         # packed row's state: its questions write nothing back.
         expected = read_alone[f"{cache}_after"]
         assert max_error(after[rows], expected[rows]) < 2e-3
+
+
+def test_a_step_that_re_reads_its_states_writes_no_slot(runs):
+    # Every sequence of the one scan runs on scratch slots: the caches are as
+    # they were, the rows' slots too (nothing reads a finished prompt's state).
+    result = runs[0]["states-re-read"]
+    assert not result["phase_a"]
+    assert runs[0]["gathered"]["phase_a"]
+    for cache in ("conv", "ssm"):
+        assert torch.equal(result[f"{cache}_after"], result[f"{cache}_before"])

@@ -60,6 +60,19 @@ from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import (
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
+#: The rule as shipped; the tests below run packed steps in two phases unless
+#: they restore it.
+STATE_REREAD_TOKENS_MAX = packed_questions.STATE_REREAD_TOKENS_MAX
+
+
+@pytest.fixture(autouse=True)
+def two_phases(monkeypatch):
+    monkeypatch.setattr(packed_questions, "STATE_REREAD_TOKENS_MAX", 0)
+
+
+def reread_small_steps(monkeypatch, tokens_max: int = STATE_REREAD_TOKENS_MAX):
+    monkeypatch.setattr(packed_questions, "STATE_REREAD_TOKENS_MAX", tokens_max)
+
 
 @pytest.mark.parametrize(
     ("mode", "expected"),
@@ -298,6 +311,57 @@ def test_phase_b_scans_a_bounded_number_of_questions_at_a_time(state, monkeypatc
     assert second.metadata.has_initial_state.tolist() == [True, True]
 
 
+def test_a_small_packed_step_is_one_scan_of_each_questions_own_prompt(
+    state, monkeypatch
+):
+    reread_small_steps(monkeypatch)
+    model_state, _ = state
+    model_state.add_request(0, new_request("p", 20, PACKED))
+    model_state.add_request(1, new_request("a", 10, {"d3_state_tokens": 4}))
+    _, scan, _ = hybrid_metadata(state, ["a", "p"], [10, 20], [3, 5])
+    # No phase A: a's prompt, then p's state (batch tokens 10-14) before each
+    # of its questions (15-18, 19-21, 22-29), every sequence from no state.
+    assert scan.phase_a is None and scan.state_tokens is None
+    (one_scan,) = scan.question_scans
+    state_p = list(range(10, 15))
+    assert one_scan.tokens.tolist() == [
+        *range(10),
+        *state_p,
+        *range(15, 19),
+        *state_p,
+        *range(19, 22),
+        *state_p,
+        *range(22, 30),
+    ]
+    # Each batch token written back once, from its first place in the scan.
+    assert one_scan.tokens[one_scan.firsts].tolist() == list(range(30))
+    assert one_scan.firsts.tolist()[:15] == list(range(15))
+    assert one_scan.scratch_sources.tolist() == [0, 3, 5, 5, 5]
+    metadata = one_scan.metadata
+    assert metadata.non_spec_query_start_loc.tolist() == [0, 10, 19, 27, 40]
+    assert metadata.non_spec_state_indices_tensor.tolist() == [1, 2, 3, 4]
+    assert metadata.has_initial_state.tolist() == [False] * 4
+
+
+@pytest.mark.parametrize(
+    ("tokens_max", "per_scan", "one_scan"),
+    [(16, 64, True), (15, 64, False), (16, 6, True), (16, 5, False)],
+    ids=["at-the-bound", "one-token-over", "blocks-fit", "one-block-over"],
+)
+def test_the_step_re_reads_its_states_within_both_bounds(
+    state, monkeypatch, tokens_max, per_scan, one_scan
+):
+    # STEP re-reads p's 5-token state twice and r's 6-token state once (16
+    # tokens) in six blocks: a's prompt, p's three questions, r's two.
+    reread_small_steps(monkeypatch, tokens_max)
+    monkeypatch.setattr(packed_questions, "QUESTIONS_PER_SCAN", per_scan)
+    model_state, _ = state
+    for index, (req_id, n, extra, _) in enumerate(STEP):
+        model_state.add_request(index, new_request(req_id, n, extra))
+    _, scan, _ = hybrid_metadata(state, ["a", "p", "r"], [10, 20, 14], [3, 5, 7])
+    assert (scan.phase_a is None) == one_scan
+
+
 class ScanLayer:
     """A Gated DeltaNet stand-in whose ``_forward_core`` reads the step's GDN
     metadata and state the way 0.33.0's prefill path does, with a scalar
@@ -354,10 +418,11 @@ def scan_step(
     order = [req_id for req_id, *_ in step]
     lens = [n for _, n, _, _ in step]
     _, scan, gdn = hybrid_metadata(state, order, lens, [s for *_, s in step])
-    views = step is ALONE
-    assert isinstance(scan.state_tokens, slice) == views
-    gathered = [not isinstance(s.tokens, slice) for s in scan.question_scans]
-    assert any(gathered) != views
+    if scan.phase_a is not None:
+        views = step is ALONE
+        assert isinstance(scan.state_tokens, slice) == views
+        gathered = [not isinstance(s.tokens, slice) for s in scan.question_scans]
+        assert any(gathered) != views
     layer = ScanLayer(gdn[0], slots=8, restart=restart)
     if wrap is not None:
         wrap(layer)
@@ -373,14 +438,16 @@ def scan_step(
 
 
 @pytest.mark.parametrize(
-    ("step", "per_scan"),
-    [(STEP, 64), (ALONE, 64), (STEP, 2)],
-    ids=["gathered", "views", "two-per-scan"],
+    ("step", "per_scan", "reread"),
+    [(STEP, 64, False), (ALONE, 64, False), (STEP, 2, False), (STEP, 64, True)],
+    ids=["gathered", "views", "two-per-scan", "states-re-read"],
 )
 def test_every_packed_question_restarts_from_its_own_state(
-    state, monkeypatch, step, per_scan
+    state, monkeypatch, step, per_scan, reread
 ):
     monkeypatch.setattr(packed_questions, "QUESTIONS_PER_SCAN", per_scan)
+    if reread:
+        reread_small_steps(monkeypatch)
     x, out = scan_step(state, restart=True, step=step)
     # Each request from its first batch token: a plain one as it is; a packed
     # one's state as it is and each question as if alone after that state.

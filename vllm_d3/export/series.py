@@ -141,7 +141,9 @@ that the state is computed once:
 - the Gated DeltaNet layers run such a step in two phases
   (layers/mamba/gdn/packed_questions.py): everything but the question blocks,
   as today, then every question block from a copy of its row's state after s
-  tokens, the way chunked prefill continues a sequence;
+  tokens, the way chunked prefill continues a sequence; a small step, where
+  that second pass would cost more host time than reading its states again
+  costs GPU time, instead runs as one scan of each question's own prompt;
 - the classify pooler reads a packed request out at the last token of each
   question block, the logits flat, question by question.
 

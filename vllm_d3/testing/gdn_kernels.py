@@ -15,8 +15,8 @@ own, with ``ENVIRONMENT``:
     python -m vllm_d3.testing.gdn_kernels CHECKPOINT CASES OUT
 
 ``CASES`` is a ``torch.save`` of a list of ``Case`` dicts; ``OUT`` gets, for
-each, the layer's output and its state caches before and after the step
-(``run_case``).
+each, the layer's output, its state caches before and after the step and
+whether it ran a phase A (``run_case``).
 Each case builds the model state of ``vllm serve CHECKPOINT`` on the CPU,
 schedules ``step`` (``(req_id, prompt_len, extra, slot)`` per row, whole
 prompts) through its ``prepare_attn``, and runs one Gated DeltaNet layer's
@@ -71,6 +71,7 @@ class Case(TypedDict):
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     restart: bool
     questions_per_scan: int
+    state_reread_tokens_max: int
 
 
 def use_interpreter() -> None:
@@ -137,9 +138,10 @@ def use_interpreter() -> None:
     interpreter._patch_lang = patch_lang_and_range
 
 
-def run_case(checkpoint: str, case: Case) -> dict[str, torch.Tensor]:
-    """The layer's output over ``case`` (``out``) and its caches before and
-    after it (``conv_before``, ``ssm_before``, ``conv_after``, ``ssm_after``)."""
+def run_case(checkpoint: str, case: Case) -> dict[str, torch.Tensor | bool]:
+    """The layer's output over ``case`` (``out``), its caches before and after
+    it (``conv_before``, ``ssm_before``, ``conv_after``, ``ssm_after``) and
+    whether the step ran a phase A (``phase_a``)."""
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
@@ -156,6 +158,7 @@ def run_case(checkpoint: str, case: Case) -> dict[str, torch.Tensor]:
     )
 
     packed_questions.QUESTIONS_PER_SCAN = case["questions_per_scan"]
+    packed_questions.STATE_REREAD_TOKENS_MAX = case["state_reread_tokens_max"]
     with cpu_model_state(D3PrefixBidirModelState, checkpoint) as state:
         model_state, config = state
         for index, (req_id, prompt_len, extra, _) in enumerate(case["step"]):
@@ -197,6 +200,8 @@ def run_case(checkpoint: str, case: Case) -> dict[str, torch.Tensor]:
         conv_after, ssm_after = layer.kv_cache
         conv_before, ssm_before = before
         return {
+            # Whether the step had a phase A (not one scan, states re-read).
+            "phase_a": getattr(metadata, "phase_a", None) is not None,
             "out": out,
             "conv_before": conv_before,
             "ssm_before": ssm_before,

@@ -10,14 +10,17 @@ scans everything but the question blocks (each row's slot then holds its state
 at ``s``); phase B scans each question block as its own sequence from its row's
 state, ``QUESTIONS_PER_SCAN`` at a time, on scratch convolution states and
 ``RowStates`` (which reads each question's recurrent state from its row's slot
-and drops its final state, which nothing reads). ``forward_packed_questions``
-runs both phases where the layer's metadata is a ``PackedGDNAttentionMetadata``
-and returns False otherwise; ``_forward_core`` calls it first. How it relies on
-0.33.0's ``_forward_core`` is in docs/upstream.md.
+and drops its final state, which nothing reads). A small step instead runs as
+one scan of each question's own prompt, its state read again
+(``STATE_REREAD_TOKENS_MAX``). ``forward_packed_questions`` runs the scans where
+the layer's metadata is a ``PackedGDNAttentionMetadata`` and returns False
+otherwise; ``_forward_core`` calls it first. How it relies on 0.33.0's
+``_forward_core`` is in docs/upstream.md.
 """
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,6 +61,18 @@ PhaseTokens = slice | torch.Tensor
 #: of 64 packed requests can hold thousands of questions.
 QUESTIONS_PER_SCAN = 64
 
+#: A step whose question blocks fit one scan, and whose packed rows' states
+#: (each row's state once per question after its first) sum to at most this many
+#: tokens, runs its Gated DeltaNet as that one scan, each question block after
+#: its row's state again: the same sequences as one prompt per question, so the
+#: same answers. Phase B is a second pass through the layer's host code; a short
+#: step waits on the host (4 questions of 92 tokens on a 280-token state: 139 ms
+#: in two phases, 90 ms for the same tokens in one block, one H200), while these
+#: tokens add about 9 ms of GPU time to d3-turbo's 48 layers. Slots are then
+#: not written: the final states of a prompt that ran whole are never read
+#: (prefix caching is refused for prefix_bidir).
+STATE_REREAD_TOKENS_MAX = 1024
+
 
 def _phase_tokens(indices: np.ndarray, device: torch.device) -> PhaseTokens:
     """``indices`` (ascending, distinct) as a slice if they are consecutive."""
@@ -68,39 +83,46 @@ def _phase_tokens(indices: np.ndarray, device: torch.device) -> PhaseTokens:
 
 @dataclass(frozen=True)
 class QuestionScan:
-    """One scan of phase B: some question blocks, in batch order."""
+    """One scan on scratch slots: some of phase B's question blocks, or the
+    whole step as each question's own prompt (the state re-read), in batch
+    order."""
 
     tokens: PhaseTokens
-    """The blocks' batch tokens, in order."""
+    """The blocks' batch tokens, in order (a re-read state's tokens repeat)."""
+    firsts: torch.Tensor | None
+    """Where ``tokens`` repeat, the scan's positions of each token's first
+    occurrence: the output written back."""
     rows: torch.Tensor
-    """(questions,) int64, the batch row each block restarts from."""
+    """(blocks,) int64, the batch row whose slot each block reads."""
     metadata: CommonAttentionMetadata
     """Block ``i`` from scratch slot ``1 + i``."""
 
 
 @dataclass(frozen=True)
 class StepPhases:
-    """A step's two GDN phases, for every KV-cache group."""
+    """A step's GDN scans, for every KV-cache group: phase A and phase B's
+    scans, or one scan with the states re-read."""
 
-    state_tokens: PhaseTokens
-    """The batch tokens phase A scans, in order."""
-    phase_a: CommonAttentionMetadata
+    state_tokens: PhaseTokens | None
+    """The batch tokens phase A scans, in order (None: no phase A)."""
+    phase_a: CommonAttentionMetadata | None
     question_scans: tuple[QuestionScan, ...]
 
 
 @dataclass(frozen=True)
 class BuiltQuestionScan:
-    """A phase-B scan as one KV-cache group runs it."""
+    """A ``QuestionScan`` as one KV-cache group runs it."""
 
     tokens: PhaseTokens
+    firsts: torch.Tensor | None
     metadata: GDNAttentionMetadata
     scratch_sources: torch.Tensor
-    """(1 + questions,) the group's state slot each scratch slot stands for:
+    """(1 + blocks,) the group's state slot each scratch slot stands for:
     the null block, then each block's row."""
 
 
 class RowStates:
-    """A phase-B scan's recurrent states as 0.33.0's prefill path uses them
+    """A scan's recurrent states on scratch slots, as 0.33.0's prefill path uses them
     (module docstring): ``states[indices]`` is each scratch slot's row's state
     in the cache; ``states[indices] = final`` drops ``final``."""
 
@@ -150,6 +172,79 @@ def _common(
     )
 
 
+@dataclass(frozen=True)
+class _Block:
+    """A sequence of a scan: its batch tokens, the row whose slot it reads, and
+    how many tokens that slot's state has seen."""
+
+    tokens: np.ndarray
+    row: int
+    restart_from: int
+
+
+def _firsts(tokens: np.ndarray, device: torch.device) -> torch.Tensor | None:
+    """Each token's first position in ``tokens``; None if none repeats."""
+    _, firsts = np.unique(tokens, return_index=True)
+    if len(firsts) == len(tokens):
+        return None
+    return torch.from_numpy(firsts).to(device)
+
+
+def _scans(blocks: list[_Block], device: torch.device) -> tuple[QuestionScan, ...]:
+    """``blocks`` as scans of ``QUESTIONS_PER_SCAN``, block ``i`` of a scan on
+    scratch slot ``1 + i`` (slot 0 is the null block, which the kernels skip)."""
+    scratch_slots = torch.arange(
+        1, QUESTIONS_PER_SCAN + 1, dtype=torch.int32, device=device
+    )
+    scans = []
+    for first in range(0, len(blocks), QUESTIONS_PER_SCAN):
+        scan = blocks[first : first + QUESTIONS_PER_SCAN]
+        lens = np.asarray([len(block.tokens) for block in scan], dtype=np.int64)
+        tokens = np.concatenate([block.tokens for block in scan])
+        scans.append(
+            QuestionScan(
+                tokens=_phase_tokens(tokens, device),
+                firsts=_firsts(tokens, device),
+                rows=torch.as_tensor(
+                    [block.row for block in scan], dtype=torch.int64, device=device
+                ),
+                metadata=_common(
+                    lens,
+                    np.asarray([block.restart_from for block in scan]) + lens,
+                    scratch_slots[: len(scan), None],
+                    device,
+                ),
+            )
+        )
+    return tuple(scans)
+
+
+def _reread_blocks(
+    query_start_loc: np.ndarray, packed: Sequence[PackedRow]
+) -> list[_Block] | None:
+    """The step as one scan of each question's own prompt (module docstring),
+    or None where ``STATE_REREAD_TOKENS_MAX`` or ``QUESTIONS_PER_SCAN`` rule
+    it out."""
+    reread = sum(
+        p.block.state_tokens * (len(p.block.question_ends) - 1) for p in packed
+    )
+    num_rows = len(query_start_loc) - 1
+    num_blocks = num_rows + sum(len(p.block.question_ends) - 1 for p in packed)
+    if reread > STATE_REREAD_TOKENS_MAX or num_blocks > QUESTIONS_PER_SCAN:
+        return None
+    by_row = {p.row: p for p in packed}
+    blocks = []
+    for row, (start, end) in enumerate(pairwise(query_start_loc)):
+        if row not in by_row:
+            blocks.append(_Block(np.arange(start, end), row, 0))
+            continue
+        state = np.arange(start, start + by_row[row].block.state_tokens)
+        for q_start, q_end in by_row[row].block.question_blocks():
+            own = np.concatenate([state, np.arange(start + q_start, start + q_end)])
+            blocks.append(_Block(own, row, 0))
+    return blocks
+
+
 def step_phases(
     query_start_loc: np.ndarray,
     seq_lens: np.ndarray,
@@ -159,44 +254,25 @@ def step_phases(
     """The phases of a step of ``len(seq_lens)`` fresh prefill rows, whose
     packed rows are scheduled whole. Phase A's block table is each group's own
     (set by ``packed_gdn_metadata``)."""
+    reread = _reread_blocks(query_start_loc, packed)
+    if reread is not None:
+        return StepPhases(None, None, _scans(reread, device))
     query_lens = np.diff(query_start_loc).astype(np.int64)
     lens_a = query_lens.copy()
-    # Per question block, in batch order: its row, state length and tokens.
-    rows: list[int] = []
-    restart_from: list[int] = []
-    blocks: list[np.ndarray] = []
+    # Each question continues from its row's state, which has seen s tokens.
+    blocks = []
     for p in packed:
         s = p.block.state_tokens
         lens_a[p.row] = s
         for start, end in p.block.question_blocks():
-            rows.append(p.row)
-            restart_from.append(s)
-            blocks.append(np.arange(p.token_start + start, p.token_start + end))
-    starts = query_start_loc[:-1]
+            tokens = np.arange(p.token_start + start, p.token_start + end)
+            blocks.append(_Block(tokens, p.row, s))
     state_tokens = np.concatenate(
-        [np.arange(start, start + n) for start, n in zip(starts, lens_a, strict=True)]
+        [
+            np.arange(start, start + n)
+            for start, n in zip(query_start_loc[:-1], lens_a, strict=True)
+        ]
     )
-    # Scratch slots 1..n: slot 0 is the null block, which the kernels skip.
-    scratch_slots = torch.arange(
-        1, QUESTIONS_PER_SCAN + 1, dtype=torch.int32, device=device
-    )
-    scans = []
-    for first in range(0, len(blocks), QUESTIONS_PER_SCAN):
-        scan = slice(first, first + QUESTIONS_PER_SCAN)
-        lens_b = np.asarray([len(block) for block in blocks[scan]], dtype=np.int64)
-        scans.append(
-            QuestionScan(
-                tokens=_phase_tokens(np.concatenate(blocks[scan]), device),
-                rows=torch.as_tensor(rows[scan], dtype=torch.int64, device=device),
-                # Each question continues from a state that has seen s tokens.
-                metadata=_common(
-                    lens_b,
-                    np.asarray(restart_from[scan]) + lens_b,
-                    scratch_slots[: len(lens_b), None],
-                    device,
-                ),
-            )
-        )
     return StepPhases(
         state_tokens=_phase_tokens(state_tokens, device),
         phase_a=_common(
@@ -205,40 +281,53 @@ def step_phases(
             torch.empty(0, 1, dtype=torch.int32, device=device),
             device,
         ),
-        question_scans=tuple(scans),
+        question_scans=_scans(blocks, device),
     )
+
+
+GDNGroup = tuple[GDNAttentionMetadata, GDNAttentionMetadataBuilder, torch.Tensor]
+
+
+def _phase_a_per_group(
+    groups: Sequence[GDNGroup], phase_a: CommonAttentionMetadata | None
+) -> list[GDNAttentionMetadata | None]:
+    """Phase A built once, by the first group's builder, then re-gathered for
+    each group's state slots, as vLLM does for its own groups
+    (``update_block_table``)."""
+    if phase_a is None:
+        return [None] * len(groups)
+    _, first_builder, first_table = groups[0]
+    rows = phase_a.num_reqs
+    built = first_builder.build(
+        0, phase_a.replace(block_table_tensor=first_table[:rows])
+    )
+    return [
+        builder.update_block_table(built, table[:rows], phase_a.slot_mapping)
+        for _, builder, table in groups
+    ]
 
 
 def packed_gdn_metadata(
-    groups: Sequence[
-        tuple[GDNAttentionMetadata, GDNAttentionMetadataBuilder, torch.Tensor]
-    ],
-    phases: StepPhases,
+    groups: Sequence[GDNGroup], phases: StepPhases
 ) -> list[PackedGDNAttentionMetadata]:
     """Each KV-cache group's step metadata (``groups``: the metadata, its
-    builder and its block table) with the packed phases. Every phase is built
-    once, by the first group's builder; phase A is then re-gathered for each
-    group's state slots, as vLLM does for its own groups
-    (``update_block_table``); phase B's scans read scratch slots, the same for
-    every group, each standing for a slot of the group's own."""
-    num_reqs = phases.phase_a.num_reqs
-    _, first_builder, first_table = groups[0]
-    phase_a = first_builder.build(
-        0, phases.phase_a.replace(block_table_tensor=first_table[:num_reqs])
-    )
+    builder and its block table) with the packed phases. Every scan is built
+    once, by the first group's builder; phase A is re-gathered per group, the
+    other scans read scratch slots, the same for every group, each standing for
+    a slot of the group's own."""
+    _, first_builder, _ = groups[0]
     scans = [
         (scan, first_builder.build(0, scan.metadata)) for scan in phases.question_scans
     ]
     return [
         PackedGDNAttentionMetadata(
             **{f.name: getattr(metadata, f.name) for f in fields(GDNAttentionMetadata)},
-            phase_a=builder.update_block_table(
-                phase_a, block_table[:num_reqs], phases.phase_a.slot_mapping
-            ),
+            phase_a=phase_a,
             state_tokens=phases.state_tokens,
             question_scans=tuple(
                 BuiltQuestionScan(
                     tokens=scan.tokens,
+                    firsts=scan.firsts,
                     metadata=built,
                     scratch_sources=torch.nn.functional.pad(
                         block_table[scan.rows, 0].long(), (1, 0)
@@ -247,7 +336,9 @@ def packed_gdn_metadata(
                 for scan, built in scans
             ),
         )
-        for metadata, builder, block_table in groups
+        for (metadata, _, block_table), phase_a in zip(
+            groups, _phase_a_per_group(groups, phases.phase_a), strict=True
+        )
     ]
 
 
@@ -259,7 +350,7 @@ def forward_packed_questions(
     a: torch.Tensor,
     core_attn_out: torch.Tensor,
 ) -> bool:
-    """Run ``layer``'s step in two phases through ``forward_core`` if the step
+    """Run ``layer``'s step as its scans through ``forward_core`` if the step
     holds packed rows; returns whether it did."""
     all_metadata = get_forward_context().attn_metadata
     metadata = (
@@ -269,8 +360,11 @@ def forward_packed_questions(
         return False
     assert isinstance(all_metadata, dict)
 
-    def scan(phase: GDNAttentionMetadata | None, tokens: PhaseTokens | None) -> None:
-        assert phase is not None and tokens is not None
+    def scan(
+        phase: GDNAttentionMetadata,
+        tokens: PhaseTokens,
+        firsts: torch.Tensor | None = None,
+    ) -> None:
         all_metadata[layer.prefix] = phase
         if isinstance(tokens, slice):
             # Row slices of the layer's tensors: the core writes in place.
@@ -283,22 +377,28 @@ def forward_packed_questions(
             a.index_select(0, tokens),
             out,
         )
+        if firsts is not None:
+            # A re-read state's tokens: each written back once.
+            tokens, out = tokens[firsts], out[firsts]
         core_attn_out.index_copy_(0, tokens, out)
 
     cache = layer.kv_cache
     conv_states, recurrent_states = cache
     try:
-        scan(metadata.phase_a, metadata.state_tokens)
+        if metadata.phase_a is not None:
+            assert metadata.state_tokens is not None
+            scan(metadata.phase_a, metadata.state_tokens)
         for question_scan in metadata.question_scans:
-            # Each question from its row's state after s tokens: its own copy of
-            # the convolution state, which the kernel updates in place, and the
-            # recurrent state as the core gathers it.
+            # Each block from its row's state (after s tokens in phase B; none
+            # where it re-reads the state): its own copy of the convolution
+            # state, which the kernel updates in place, and the recurrent state
+            # as the core gathers it.
             sources = question_scan.scratch_sources
             layer.kv_cache = (
                 conv_states.index_select(0, sources),
                 RowStates(recurrent_states, sources),
             )
-            scan(question_scan.metadata, question_scan.tokens)
+            scan(question_scan.metadata, question_scan.tokens, question_scan.firsts)
     finally:
         layer.kv_cache = cache
         all_metadata[layer.prefix] = metadata
