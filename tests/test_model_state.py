@@ -362,6 +362,21 @@ def test_the_step_re_reads_its_states_within_both_bounds(
     assert (scan.phase_a is None) == one_scan
 
 
+def test_a_step_with_a_row_that_continues_keeps_two_phases(state, monkeypatch):
+    # The one scan writes no slot, so a row whose sequence goes on after this
+    # step (a's 10 tokens after 6 computed ones) keeps the two phases.
+    reread_small_steps(monkeypatch)
+    model_state, _ = state
+    model_state.add_request(1, new_request("p", 20, PACKED))
+    packed = [PackedRow(1, 10, model_state.state_blocks["p"])]
+    query_start_loc = np.array([0, 10, 30])
+    fresh = step_phases(query_start_loc, np.array([10, 20]), packed, CPU)
+    continued = step_phases(query_start_loc, np.array([16, 20]), packed, CPU)
+    assert fresh.phase_a is None
+    assert continued.phase_a is not None
+    assert continued.phase_a.seq_lens.tolist() == [16, 5]
+
+
 class ScanLayer:
     """A Gated DeltaNet stand-in whose ``_forward_core`` reads the step's GDN
     metadata and state the way 0.33.0's prefill path does, with a scalar

@@ -220,17 +220,18 @@ def _scans(blocks: list[_Block], device: torch.device) -> tuple[QuestionScan, ..
 
 
 def _reread_blocks(
-    query_start_loc: np.ndarray, packed: Sequence[PackedRow]
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, packed: Sequence[PackedRow]
 ) -> list[_Block] | None:
     """The step as one scan of each question's own prompt (module docstring),
     or None where ``STATE_REREAD_TOKENS_MAX`` or ``QUESTIONS_PER_SCAN`` rule
-    it out."""
+    it out, or where a row continues a sequence (its final state is kept)."""
     reread = sum(
         p.block.state_tokens * (len(p.block.question_ends) - 1) for p in packed
     )
     num_rows = len(query_start_loc) - 1
     num_blocks = num_rows + sum(len(p.block.question_ends) - 1 for p in packed)
-    if reread > STATE_REREAD_TOKENS_MAX or num_blocks > QUESTIONS_PER_SCAN:
+    fresh = np.array_equal(np.diff(query_start_loc), seq_lens)
+    if reread > STATE_REREAD_TOKENS_MAX or num_blocks > QUESTIONS_PER_SCAN or not fresh:
         return None
     by_row = {p.row: p for p in packed}
     blocks = []
@@ -254,7 +255,7 @@ def step_phases(
     """The phases of a step of ``len(seq_lens)`` fresh prefill rows, whose
     packed rows are scheduled whole. Phase A's block table is each group's own
     (set by ``packed_gdn_metadata``)."""
-    reread = _reread_blocks(query_start_loc, packed)
+    reread = _reread_blocks(query_start_loc, seq_lens, packed)
     if reread is not None:
         return StepPhases(None, None, _scans(reread, device))
     query_lens = np.diff(query_start_loc).astype(np.int64)
