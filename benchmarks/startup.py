@@ -57,6 +57,12 @@ LOGGED_SPANS = {
         r"Autotuning process ends",
     ),
 }
+#: From the end of FlashInfer's autotune to the start of the last graph capture
+#: (the serving one; its start is its end stamp less the seconds it logs), where
+#: vLLM runs its kernel warm-up steps. Whole seconds: within about one.
+WARMUP_SPAN = "autotune end to serving capture"
+AUTOTUNE_END = r"Autotuning process ends"
+CAPTURE = re.compile(r"Graph capturing finished in (\d+) secs")
 #: vLLM's time stamp (no year), and the one FlashInfer's logger writes.
 VLLM_STAMP = re.compile(r"\b(\d\d-\d\d \d\d:\d\d:\d\d) \[")
 FLASHINFER_STAMP = re.compile(r"^\d{4}-(\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
@@ -79,7 +85,7 @@ def _stamp(line: str) -> float | None:
 def startup_phases(log_text: str) -> dict[str, float]:
     """The seconds of each step of ``LOGGED_DURATIONS`` and ``LOGGED_SPANS``
     that the log shows, in that order (a span from its first start to its
-    first end)."""
+    first end), then ``WARMUP_SPAN``."""
     phases = {}
     for name, pattern in LOGGED_DURATIONS.items():
         # A step logged twice ran twice (vLLM captures graphs once to measure
@@ -93,6 +99,11 @@ def startup_phases(log_text: str) -> dict[str, float]:
         ends = [t for t, line in stamped if re.search(last, line)]
         if starts and ends:
             phases[name] = round(ends[0] - starts[0], 3)
+    autotuned = [t for t, line in stamped if re.search(AUTOTUNE_END, line)]
+    captures = [(t, int(m[1])) for t, line in stamped if (m := CAPTURE.search(line))]
+    if autotuned and captures:
+        end, seconds = captures[-1]
+        phases[WARMUP_SPAN] = round(end - seconds - autotuned[0], 3)
     return phases
 
 

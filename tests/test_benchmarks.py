@@ -806,6 +806,8 @@ def test_startup_phases_read_a_real_server_log():
         "before the engine": 127.0,
         # FlashInfer's own stamps: 13:32:27,869 to 13:32:29,804.
         "FlashInfer autotune": 1.935,
+        # 13:32:29,804 to 13:32:41, the capture's end (13:33:04) less its 23 s.
+        "autotune end to serving capture": 11.196,
     }
     # A cold start with vLLM's memory profile: graphs captured twice, summed.
     cold = Path(log.parent, "h200-startup-serve-prefix_bidir-cold.log")
@@ -820,6 +822,8 @@ def test_startup_phases_read_a_real_server_log():
         "before the engine": 41.0,
         # FlashInfer's own stamps: 14:48:43,201 to 14:48:43,552.
         "FlashInfer autotune": 0.351,
+        # 14:48:43,552 to 14:48:55: the serving capture ends 14:49:02 after 7 s.
+        "autotune end to serving capture": 11.448,
     }
     assert startup_phases("no such lines") == {}
 
