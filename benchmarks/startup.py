@@ -102,8 +102,8 @@ def startup_phases(log_text: str) -> dict[str, float]:
     autotuned = [t for t, line in stamped if re.search(AUTOTUNE_END, line)]
     captures = [(t, int(m[1])) for t, line in stamped if (m := CAPTURE.search(line))]
     if autotuned and captures:
-        end, seconds = captures[-1]
-        phases[WARMUP_SPAN] = round(end - seconds - autotuned[0], 3)
+        end, capture_s = captures[-1]
+        phases[WARMUP_SPAN] = round(end - capture_s - autotuned[0], 3)
     return phases
 
 
