@@ -1,0 +1,103 @@
+"""GPU: a packed request through vLLM's engine, its Gated DeltaNet in either form.
+
+The tiny checkpoint is served by ``vllm.LLM`` in a process of its own (this file
+run as a script), its engine core in that process, so that
+``STATE_REREAD_TOKENS_MAX`` can be set per call: a small packed request in one
+scan of each question's own prompt (the rule as shipped) and in two phases (the
+rule at 0) must both give every question the logits of its own prompt
+``state || q``; the same tokens read as one question block (each question
+reading the ones before it) must not.
+"""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+STATE, QUESTION, QUESTIONS = 40, 12, 4
+#: Ordinary token ids of the tiny checkpoint's tokenizer (1,437 ids in all).
+TOKEN_IDS = (300, 1200)
+#: Relative to the largest logit: float16 kernels, the same sequences.
+TOLERANCE = 2e-2
+
+
+def classify_every_way(checkpoint: str) -> dict[str, torch.Tensor]:
+    """The logits of each way of sending one packed request's questions."""
+    from vllm import LLM, PoolingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_d3.model_executor.layers.mamba.gdn import packed_questions
+    from vllm_d3.testing.server import GDN_PREFILL_BACKEND
+
+    llm = LLM(model=checkpoint, gdn_prefill_backend=GDN_PREFILL_BACKEND)
+    shipped = packed_questions.STATE_REREAD_TOKENS_MAX
+
+    def classify(prompts, reread_tokens_max: int = shipped) -> torch.Tensor:
+        packed_questions.STATE_REREAD_TOKENS_MAX = reread_tokens_max
+        outputs = llm.classify(
+            [TokensPrompt(prompt_token_ids=ids) for ids, _ in prompts],
+            pooling_params=[
+                PoolingParams(task="classify", use_activation=False, extra_kwargs=x)
+                for _, x in prompts
+            ],
+            use_tqdm=False,
+        )
+        packed_questions.STATE_REREAD_TOKENS_MAX = shipped
+        return torch.cat([torch.as_tensor(o.outputs.probs).flatten() for o in outputs])
+
+    rng = random.Random(0)
+    state = [rng.randrange(*TOKEN_IDS) for _ in range(STATE)]
+    questions = [
+        [rng.randrange(*TOKEN_IDS) for _ in range(QUESTION)] for _ in range(QUESTIONS)
+    ]
+    packed_ids = state + [t for q in questions for t in q]
+    ends = [STATE + QUESTION * (i + 1) for i in range(QUESTIONS)]
+    packed = [(packed_ids, {"d3_state_tokens": STATE, "d3_question_ends": ends})]
+    return {
+        "own prompts": classify(
+            [(state + q, {"d3_state_tokens": STATE}) for q in questions]
+        ),
+        "one scan": classify(packed),
+        "two phases": classify(packed, reread_tokens_max=0),
+        "one block": classify([(packed_ids, {"d3_state_tokens": STATE})]),
+    }
+
+
+@pytest.fixture(scope="module")
+def logits(make_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("packed-gdn") / "logits.pt"
+    done = subprocess.run(
+        [sys.executable, __file__, make_checkpoint(), str(out)],
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out)
+
+
+def error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("form", ["one scan", "two phases"])
+def test_each_form_answers_every_question_as_its_own_prompt(logits, form):
+    assert error(logits[form], logits["own prompts"]) < TOLERANCE
+
+
+def test_questions_read_as_one_block_are_clearly_wrong(logits):
+    # The last question reading every one before it, against its own prompt.
+    one_block = logits["one block"]
+    expected = logits["own prompts"][-one_block.numel() :]
+    assert error(one_block, expected) > 5 * TOLERANCE
+
+
+if __name__ == "__main__":
+    checkpoint, out = sys.argv[1:]
+    torch.save(classify_every_way(checkpoint), out)
