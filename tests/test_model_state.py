@@ -286,6 +286,11 @@ def test_a_packed_row_becomes_state_once_pieces_and_gdn_phases(state):
     assert questions.metadata.non_spec_query_start_loc.tolist() == [0, 4, 7, 15]
     assert questions.metadata.non_spec_state_indices_tensor.tolist() == [1, 2, 3]
     assert questions.metadata.has_initial_state.tolist() == [True, True, True]
+    # The mask the core zeroes absent states by: a host tensor of its own, all
+    # set (on a GPU the builder's would be on the device).
+    mask = questions.metadata.prefill_has_initial_state
+    assert mask is not questions.metadata.has_initial_state
+    assert mask.device.type == "cpu" and mask.tolist() == [True, True, True]
 
 
 def test_phase_b_scans_a_bounded_number_of_questions_at_a_time(state, monkeypatch):
@@ -341,6 +346,8 @@ def test_a_small_packed_step_is_one_scan_of_each_questions_own_prompt(
     assert metadata.non_spec_query_start_loc.tolist() == [0, 10, 19, 27, 40]
     assert metadata.non_spec_state_indices_tensor.tolist() == [1, 2, 3, 4]
     assert metadata.has_initial_state.tolist() == [False] * 4
+    # States to zero: the builder's own mask.
+    assert metadata.prefill_has_initial_state is metadata.has_initial_state
 
 
 @pytest.mark.parametrize(
