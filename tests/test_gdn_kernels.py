@@ -25,6 +25,10 @@ from vllm_d3.testing.model_runner import STEP
 pytestmark = pytest.mark.plugin
 
 
+#: A packed request whose first question block is one token.
+ONE_TOKEN_FIRST = [("q", 12, {"d3_state_tokens": 5, "d3_question_ends": [6, 12]}, 3)]
+
+
 def own_prompts(step, first_slot: int):
     """The step with each packed request's questions in their own prompts,
     ``state || q``, as rows of a step with no packed row; and, per row, the
@@ -73,6 +77,11 @@ def runs(make_checkpoint, tmp_path_factory):
         read.extend(range(start, start + length))
         start += n
     read_tokens = torch.tensor(read)
+    # A packed row whose first question is one token: vLLM's GDN builder takes
+    # such a block, with a state before it, for a decode.
+    short_inputs = tuple(x[:12] for x in inputs)
+    short_rows, short_tokens = own_prompts(ONE_TOKEN_FIRST, first_slot=8)
+    short_own = torch.tensor([t for row in short_tokens for t in row])
     # (step, inputs, the plugin's core, questions per scan, states re-read)
     cases = {
         "gathered": (STEP, inputs, True, 64, 0),
@@ -82,6 +91,14 @@ def runs(make_checkpoint, tmp_path_factory):
         "one-scan": (STEP, inputs, False, 64, 0),
         "own-prompts": (rows, tuple(x[own] for x in inputs), True, 64, 0),
         "read-alone": (read_alone, tuple(x[read_tokens] for x in inputs), True, 64, 0),
+        "one-token-question": (ONE_TOKEN_FIRST, short_inputs, True, 64, 0),
+        "one-token-own-prompts": (
+            short_rows,
+            tuple(x[short_own] for x in short_inputs),
+            True,
+            64,
+            0,
+        ),
     }
     folder = tmp_path_factory.mktemp("gdn-kernels")
     torch.save(
@@ -113,17 +130,17 @@ def runs(make_checkpoint, tmp_path_factory):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     results = dict(zip(cases, torch.load(folder / "out.pt"), strict=True))
-    return results, tokens
+    return results, {"own-prompts": tokens, "one-token-own-prompts": short_tokens}
 
 
-def own_outputs(runs):
-    """Each packed-step token's output in its own prompt, in the packed step's
-    order (a state token once, from its request's first prompt)."""
+def own_outputs(runs, case: str = "own-prompts"):
+    """Each packed-step token's output in its own prompt (``case``), in the
+    packed step's order (a state token once, from its request's first prompt)."""
     results, tokens = runs
-    out = results["own-prompts"]["out"]
+    out = results[case]["out"]
     by_token: dict[int, torch.Tensor] = {}
     start = 0
-    for row in tokens:
+    for row in tokens[case]:
         for offset, token in enumerate(row):
             by_token.setdefault(token, out[start + offset])
         start += len(row)
@@ -145,6 +162,14 @@ def test_packed_questions_equal_their_own_prompts_on_vllms_kernels(runs, case):
     assert not out.isnan().any()
     # float16 rounding, in the interpreter as on a GPU.
     assert max_error(out, expected) < 2e-3
+
+
+def test_a_one_token_first_question_equals_its_own_prompt(runs):
+    # Two phases: the question block is one token after the state, which the
+    # builder runs through 0.33.0's decode kernel.
+    out = runs[0]["one-token-question"]["out"]
+    assert runs[0]["one-token-question"]["phase_a"]
+    assert max_error(out, own_outputs(runs, "one-token-own-prompts")) < 2e-3
 
 
 def test_one_causal_scan_over_the_packed_step_is_clearly_wrong(runs):

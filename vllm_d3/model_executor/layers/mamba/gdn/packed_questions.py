@@ -410,11 +410,16 @@ def forward_packed_questions(
             # Each block from its row's state (after s tokens in phase B; none
             # where it re-reads the state): its own copy of the convolution
             # state, which the kernel updates in place, and the recurrent state
-            # as the core gathers it.
+            # as the core gathers it, or, where the builder took one-token
+            # blocks for decodes, copies too: 0.33.0's decode kernel takes the
+            # states as a tensor and updates them in place.
             sources = question_scan.scratch_sources
+            decodes = question_scan.metadata.num_decodes
             layer.kv_cache = (
                 conv_states.index_select(0, sources),
-                RowStates(recurrent_states, sources),
+                recurrent_states.index_select(0, sources)
+                if decodes
+                else RowStates(recurrent_states, sources),
             )
             scan(question_scan.metadata, question_scan.tokens, question_scan.firsts)
     finally:
