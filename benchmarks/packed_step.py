@@ -76,6 +76,10 @@ PROFILE_SORTS = ("cpu_time_total", "self_cpu_time_total", "cuda_time_total")
 CALL_SPAN = "d3_packed_step_call"
 
 
+def _shape_text(shape: tuple[int, int, int]) -> str:
+    return "x".join(map(str, shape))
+
+
 def _shape(text: str) -> tuple[int, int, int]:
     state, question, count = (int(part) for part in text.split("x"))
     return state, question, count
@@ -149,7 +153,7 @@ def profile_calls(
             record_function(CALL_SPAN),
         ):
             call(way, shape)
-        label = f"{'x'.join(map(str, shape))}.{_slug(way)}"
+        label = f"{_shape_text(shape)}.{_slug(way)}"
         with tempfile.TemporaryDirectory() as scratch:
             trace_file = Path(scratch) / "trace.json"
             run.export_chrome_trace(str(trace_file))
@@ -158,7 +162,7 @@ def profile_calls(
             gzip.compress(trace)
         )
         summary = timeline(json.loads(trace)["traceEvents"], CALL_SPAN)
-        timelines.append({"shape": label.split(".")[0], "way": way, **summary})
+        timelines.append({"shape": _shape_text(shape), "way": way, **summary})
         print(f"{label}: {json.dumps(summary)[:300]}")
         if shape == shapes[0] and way != "per question":
             averages = run.key_averages()
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 median = statistics.median(samples)
                 results.append(
                     {
-                        "shape": "x".join(map(str, shape)),
+                        "shape": _shape_text(shape),
                         "way": way,
                         "median_ms": median,
                         "samples_ms": samples,

@@ -48,20 +48,18 @@ LOGGED_DURATIONS = {
     "engine init": r"init engine \(profile, create kv cache, warmup model\) took "
     r"([\d.]+) s",
 }
+#: The line FlashInfer logs when its autotune ends.
+AUTOTUNE_END = r"Autotuning process ends"
 #: Steps timed between two lines' time stamps: name -> (first line, last line);
 #: ``None`` is the log's first time-stamped line.
 LOGGED_SPANS = {
     "before the engine": (None, r"Initializing a V1 LLM engine"),
-    "FlashInfer autotune": (
-        r"Autotuning process starts",
-        r"Autotuning process ends",
-    ),
+    "FlashInfer autotune": (r"Autotuning process starts", AUTOTUNE_END),
 }
 #: From the end of FlashInfer's autotune to the start of the last graph capture
 #: (the serving one; its start is its end stamp less the seconds it logs), where
 #: vLLM runs its kernel warm-up steps. Whole seconds: within about one.
 WARMUP_SPAN = "autotune end to serving capture"
-AUTOTUNE_END = r"Autotuning process ends"
 CAPTURE = re.compile(r"Graph capturing finished in (\d+) secs")
 #: vLLM's time stamp (no year), and the one FlashInfer's logger writes.
 VLLM_STAMP = re.compile(r"\b(\d\d-\d\d \d\d:\d\d:\d\d) \[")

@@ -339,8 +339,10 @@ def test_a_small_packed_step_is_one_scan_of_each_questions_own_prompt(
         *range(22, 30),
     ]
     # Each batch token written back once, from its first place in the scan.
-    assert one_scan.tokens[one_scan.firsts].tolist() == list(range(30))
-    assert one_scan.firsts.tolist()[:15] == list(range(15))
+    firsts, written = one_scan.write_back
+    assert written.tolist() == list(range(30))
+    assert one_scan.tokens[firsts].tolist() == list(range(30))
+    assert firsts.tolist()[:15] == list(range(15))
     assert one_scan.scratch_sources.tolist() == [0, 3, 5, 5, 5]
     metadata = one_scan.metadata
     assert metadata.non_spec_query_start_loc.tolist() == [0, 10, 19, 27, 40]

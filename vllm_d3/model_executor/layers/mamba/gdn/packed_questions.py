@@ -53,6 +53,9 @@ class PackedRow:
 
 #: A phase's batch tokens: a slice where they are consecutive, else their indices.
 PhaseTokens = slice | torch.Tensor
+#: A scan whose tokens repeat (a re-read state's): the scan's position of each
+#: batch token's first occurrence, and those batch tokens, ascending.
+WriteBack = tuple[torch.Tensor, torch.Tensor]
 
 #: Question blocks per phase-B scan. Each question costs two copies of a
 #: recurrent state slot in the scan (the core's gather of its initial state and
@@ -89,9 +92,8 @@ class QuestionScan:
 
     tokens: PhaseTokens
     """The blocks' batch tokens, in order (a re-read state's tokens repeat)."""
-    firsts: torch.Tensor | None
-    """Where ``tokens`` repeat, the scan's positions of each token's first
-    occurrence: the output written back."""
+    write_back: WriteBack | None
+    """Where ``tokens`` repeat: which of the scan's outputs are written back."""
     rows: torch.Tensor
     """(blocks,) int64, the batch row whose slot each block reads."""
     metadata: CommonAttentionMetadata
@@ -114,7 +116,7 @@ class BuiltQuestionScan:
     """A ``QuestionScan`` as one KV-cache group runs it."""
 
     tokens: PhaseTokens
-    firsts: torch.Tensor | None
+    write_back: WriteBack | None
     metadata: GDNAttentionMetadata
     scratch_sources: torch.Tensor
     """(1 + blocks,) the group's state slot each scratch slot stands for:
@@ -182,12 +184,12 @@ class _Block:
     restart_from: int
 
 
-def _firsts(tokens: np.ndarray, device: torch.device) -> torch.Tensor | None:
-    """Each token's first position in ``tokens``; None if none repeats."""
-    _, firsts = np.unique(tokens, return_index=True)
+def _write_back(tokens: np.ndarray, device: torch.device) -> WriteBack | None:
+    """``tokens``' ``WriteBack``; None if no token repeats."""
+    written, firsts = np.unique(tokens, return_index=True)
     if len(firsts) == len(tokens):
         return None
-    return torch.from_numpy(firsts).to(device)
+    return torch.from_numpy(firsts).to(device), torch.from_numpy(written).to(device)
 
 
 def _scans(blocks: list[_Block], device: torch.device) -> tuple[QuestionScan, ...]:
@@ -204,7 +206,7 @@ def _scans(blocks: list[_Block], device: torch.device) -> tuple[QuestionScan, ..
         scans.append(
             QuestionScan(
                 tokens=_phase_tokens(tokens, device),
-                firsts=_firsts(tokens, device),
+                write_back=_write_back(tokens, device),
                 rows=torch.as_tensor(
                     [block.row for block in scan], dtype=torch.int64, device=device
                 ),
@@ -345,7 +347,7 @@ def packed_gdn_metadata(
             question_scans=tuple(
                 BuiltQuestionScan(
                     tokens=scan.tokens,
-                    firsts=scan.firsts,
+                    write_back=scan.write_back,
                     metadata=built,
                     scratch_sources=torch.nn.functional.pad(
                         block_table[scan.rows, 0].long(), (1, 0)
@@ -381,7 +383,7 @@ def forward_packed_questions(
     def scan(
         phase: GDNAttentionMetadata,
         tokens: PhaseTokens,
-        firsts: torch.Tensor | None = None,
+        write_back: WriteBack | None = None,
     ) -> None:
         all_metadata[layer.prefix] = phase
         if isinstance(tokens, slice):
@@ -395,9 +397,10 @@ def forward_packed_questions(
             a.index_select(0, tokens),
             out,
         )
-        if firsts is not None:
+        if write_back is not None:
             # A re-read state's tokens: each written back once.
-            tokens, out = tokens[firsts], out[firsts]
+            firsts, tokens = write_back
+            out = out[firsts]
         core_attn_out.index_copy_(0, tokens, out)
 
     cache = layer.kv_cache
@@ -421,7 +424,7 @@ def forward_packed_questions(
                 if decodes
                 else RowStates(recurrent_states, sources),
             )
-            scan(question_scan.metadata, question_scan.tokens, question_scan.firsts)
+            scan(question_scan.metadata, question_scan.tokens, question_scan.write_back)
     finally:
         layer.kv_cache = cache
         all_metadata[layer.prefix] = metadata
