@@ -334,6 +334,35 @@ def test_a_chosen_backend_wins(make_checkpoint, hopper, hook_log):
     assert "not D3_PREFIX_BIDIR: TRITON_FLASH_ATTN was chosen" in "\n".join(hook_log)
 
 
+def test_flashinfer_autotune_is_skipped_by_default(make_checkpoint, hopper, hook_log):
+    config = engine_config(make_checkpoint(weights=False))
+    assert config.kernel_config.enable_flashinfer_autotune is False
+    assert "FlashInfer autotune off: no kernel of this unquantized model" in (
+        "\n".join(hook_log)
+    )
+
+
+@pytest.mark.parametrize(
+    ("attention_mode", "kwargs"),
+    [
+        # The user's choice stays.
+        ("prefix_bidir", {"enable_flashinfer_autotune": True}),
+        # A chosen GDN prefill kernel may be FlashInfer's.
+        ("prefix_bidir", {"additional_config": {"gdn_prefill_backend": "flashinfer"}}),
+        # So may a quantized model's matrix multiplies.
+        ("prefix_bidir", {"quantization": "fp8_per_tensor"}),
+        # Other modes keep vLLM's default.
+        ("causal", {}),
+    ],
+)
+def test_flashinfer_autotune_where_it_may_tune(
+    make_checkpoint, hopper, attention_mode, kwargs
+):
+    checkpoint = make_checkpoint(attention_mode=attention_mode, weights=False)
+    config = engine_config(checkpoint, **kwargs)
+    assert config.kernel_config.enable_flashinfer_autotune is True
+
+
 @pytest.fixture
 def no_allocator_settings(allocator_settings, monkeypatch):
     """None of the caching allocator's variables set (restored after)."""

@@ -239,7 +239,10 @@ of its own; if none passes, vLLM's ranged attention stays. It then decides
 once, for every process, whether /v1/systemone reads each request's state once
 (packed questions; additional_config d3_state_once, which the user can turn
 off), and keeps the Gated DeltaNet prefill on Triton/FLA, the kernel the
-packed path was validated on, unless --gdn-prefill-backend chose another. It
+packed path was validated on, unless --gdn-prefill-backend chose another, and
+there, for an unquantized checkpoint, skips FlashInfer's autotune pass (a dummy
+step of max_num_batched_tokens tokens, here max_model_len, for kernels the
+model does not run) unless the user set it. It
 writes its decisions under additional_config d3_decided, beside the user's
 switches, and logs each with its reason.""",
     changes=(

@@ -10,7 +10,8 @@ layers on the dense-piece backend and its kernel (``d3_attention_kernel``:
 forced by the user, else the GPU's first that runs, checked at start-up off
 Hopper; ``ranged`` where vLLM's own selection stays); whether /v1/systemone
 reads each state once (``d3_state_once``, only on the dense pieces); the Gated
-DeltaNet prefill on Triton/FLA unless chosen; expandable segments for the
+DeltaNet prefill on Triton/FLA unless chosen; FlashInfer's autotune off unless
+asked for, where the model has nothing it tunes; expandable segments for the
 engine's CUDA caching allocator unless the user's settings name them or a KV
 connector is on. Other checkpoints are left as they are.
 """
@@ -61,6 +62,7 @@ def select_prefix_bidir_serving(
         return
     dense_attention = _select_full_attention(vllm_config, unavailable)
     _select_reads(vllm_config, dense_attention)
+    _select_autotune(vllm_config)
     _select_allocator(vllm_config)
 
 
@@ -217,6 +219,31 @@ def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
             chosen,
             VALIDATED_GDN_PREFILL_BACKEND,
         )
+
+
+def _select_autotune(vllm_config: "VllmConfig") -> None:
+    """Skip FlashInfer's autotune where nothing in the model is FlashInfer's to
+    tune, unless the user's settings turn it on or off.
+
+    Its warm-up is a dummy step of ``max_num_batched_tokens`` tokens, here
+    ``max_model_len`` or more (no chunked prefill), for kernels an unquantized
+    D3 model does not run: its matrix multiplies are PyTorch's, its attention
+    the D3 backends' or vLLM's, its Gated DeltaNet prefill Triton/FLA.
+    """
+    kernel_config = vllm_config.kernel_config
+    if kernel_config.enable_flashinfer_autotune is not None:
+        return
+    quantization = vllm_config.model_config.quantization
+    gdn_prefill = _additional_config(vllm_config).get(GDN_PREFILL_BACKEND_KEY)
+    if quantization is not None or gdn_prefill != VALIDATED_GDN_PREFILL_BACKEND:
+        return
+    kernel_config.enable_flashinfer_autotune = False
+    logger.info(
+        "D3 prefix_bidir: FlashInfer autotune off: no kernel of this unquantized "
+        "model is FlashInfer's, and its warm-up step would hold %d tokens "
+        "(--enable-flashinfer-autotune runs it)",
+        vllm_config.scheduler_config.max_num_batched_tokens,
+    )
 
 
 def _select_allocator(vllm_config: "VllmConfig") -> None:
