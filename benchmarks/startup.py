@@ -2,14 +2,16 @@
 its causal sibling, with cold and warm compile caches (GPU).
 
 ``python -m benchmarks.startup --out FILE --work DIR [--modes prefix_bidir,causal]
-[--caches cold,warm] [--serve-arg=FLAG ...]``
+[--caches cold,warm] [--package-length] [--serve-arg=FLAG ...]``
 
 Contract:
 - For each of ``--modes`` a weight-less d3-turbo package of that attention mode
   (vision tower included) is written under WORK and served with
-  ``--load-format dummy --max-model-len 131072``, the test servers' flags
-  (``--gdn-prefill-backend triton``) and ``--serve-arg``; for a causal package
-  the plugin's prefix_bidir hooks do not apply.
+  ``--load-format dummy --max-model-len 131072`` (``--package-length``: no
+  ``--max-model-len``, the package's declared length, as ``vllm serve
+  <checkpoint>`` starts), the test servers' flags (``--gdn-prefill-backend
+  triton``) and ``--serve-arg``; for a causal package the plugin's prefix_bidir
+  hooks do not apply.
 - Each mode's server keeps every compile cache (vLLM's torch.compile cache,
   Inductor's, Triton's, FlashInfer's) under ``WORK/home-<mode>`` (``HOME`` and
   the caches' variables point there, ``cache_environment``). ``cold`` empties
@@ -50,15 +52,19 @@ LOGGED_DURATIONS = {
 }
 #: The line FlashInfer logs when its autotune ends.
 AUTOTUNE_END = r"Autotuning process ends"
+#: Where the kernel warm-up's steps begin: FlashInfer's autotune ended, or vLLM
+#: skipped it.
+KERNEL_WARMUP = rf"{AUTOTUNE_END}|Skipping FlashInfer autotune"
 #: Steps timed between two lines' time stamps: name -> (first line, last line);
 #: ``None`` is the log's first time-stamped line.
 LOGGED_SPANS = {
     "before the engine": (None, r"Initializing a V1 LLM engine"),
     "FlashInfer autotune": (r"Autotuning process starts", AUTOTUNE_END),
 }
-#: From the end of FlashInfer's autotune to the start of the last graph capture
-#: (the serving one; its start is its end stamp less the seconds it logs), where
-#: vLLM runs its kernel warm-up steps. Whole seconds: within about one.
+#: From the end (or the skip) of FlashInfer's autotune to the start of the last
+#: graph capture (the serving one; its start is its end stamp less the seconds it
+#: logs), where vLLM runs its kernel warm-up steps. Whole seconds: within about
+#: one.
 WARMUP_SPAN = "autotune end to serving capture"
 CAPTURE = re.compile(r"Graph capturing finished in (\d+) secs")
 #: vLLM's time stamp (no year), and the one FlashInfer's logger writes.
@@ -97,7 +103,7 @@ def startup_phases(log_text: str) -> dict[str, float]:
         ends = [t for t, line in stamped if re.search(last, line)]
         if starts and ends:
             phases[name] = round(ends[0] - starts[0], 3)
-    autotuned = [t for t, line in stamped if re.search(AUTOTUNE_END, line)]
+    autotuned = [t for t, line in stamped if re.search(KERNEL_WARMUP, line)]
     captures = [(t, int(m[1])) for t, line in stamped if (m := CAPTURE.search(line))]
     if autotuned and captures:
         end, capture_s = captures[-1]
@@ -146,7 +152,9 @@ def first_request(checkpoint: Path) -> dict:
     return sets["text, 4 questions"][0]
 
 
-def start_once(work: Path, mode: str, cache: str, serve_args: list[str]) -> dict:
+def start_once(
+    work: Path, mode: str, cache: str, serve_args: list[str], package_length: bool
+) -> dict:
     """One start of ``mode``'s server: seconds to its first answer, and phases."""
     checkpoint = package(work, mode)
     request = first_request(checkpoint)
@@ -155,7 +163,8 @@ def start_once(work: Path, mode: str, cache: str, serve_args: list[str]) -> dict
         shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True, exist_ok=True)
     # --load-format dummy: the package has no weights (vllm_side's rule).
-    flags = serve_flags(str(checkpoint), ["--max-model-len", str(LONG_MAX_MODEL_LEN)])
+    length = [] if package_length else ["--max-model-len", str(LONG_MAX_MODEL_LEN)]
+    flags = serve_flags(str(checkpoint), length)
     log_file = work / f"serve-{mode}-{cache}.log"
     started = time.time()
     with Server(
@@ -190,13 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda text: [_cache(part) for part in text.split(",")],
         default=list(CACHES),
     )
+    parser.add_argument("--package-length", action="store_true")
     parser.add_argument("--serve-arg", action="append", default=[])
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     results = []
     for cache in args.caches:
         for mode in args.modes.split(","):
-            results.append(start_once(args.work, mode, cache, args.serve_arg))
+            results.append(
+                start_once(args.work, mode, cache, args.serve_arg, args.package_length)
+            )
             args.out.write_text(json.dumps(results, indent=1))
     return 0
 

@@ -825,6 +825,21 @@ def test_startup_phases_read_a_real_server_log():
         # 14:48:43,552 to 14:48:55: the serving capture ends 14:49:02 after 7 s.
         "autotune end to serving capture": 11.448,
     }
+    # FlashInfer's autotune skipped (the config hook's choice for prefix_bidir).
+    skipped = Path(log.parent, "h200-one-scan-serve-default.log")
+    assert startup_phases(skipped.read_text()) == {
+        "model loading": 7.288321,
+        "torch.compile": 52.6,
+        "profiling/warmup run": 102.22,
+        # 21 s, then 9 s.
+        "CUDA graph capture": 30.0,
+        "engine init": 204.01,
+        # 16:45:53, the first line, to 16:46:55, the engine's first.
+        "before the engine": 62.0,
+        # 16:50:17, the skip, to 16:50:21: the serving capture ends 16:50:30
+        # after 9 s.
+        "autotune end to serving capture": 4.0,
+    }
     assert startup_phases("no such lines") == {}
 
 
