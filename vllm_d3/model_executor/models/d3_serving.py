@@ -103,20 +103,9 @@ def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -
     kind = KVCacheSpecKind.FULL_ATTENTION.value
     chosen = attention.backend_per_kind.get(kind, attention.backend)
     kernel: str | None = None
-    if chosen is not None:
-        reason = f"{chosen.name} was chosen"
-    elif unavailable is not None:
-        reason = unavailable
-    elif forced == RANGED_KERNEL:
-        reason = f"{ATTENTION_KERNEL_KEY} is {RANGED_KERNEL}"
-    elif attention.flash_attn_version not in (None, 2, 3):
-        # FlashAttention 4 applies vLLM's ranges itself.
-        reason = f"FlashAttention {attention.flash_attn_version} was chosen"
-    elif is_quantized_kv_cache(vllm_config.cache_config.cache_dtype):
-        reason = "the dense pieces read a bf16/fp16 KV cache"
-    elif vllm_config.parallel_config.decode_context_parallel_size > 1:
-        reason = "the dense pieces do not run with context parallelism"
-    else:
+    reason = unavailable if chosen is None else f"{chosen.name} was chosen"
+    reason = reason or _dense_pieces_refused(vllm_config, forced)
+    if reason is None:
         if forced == AUTO_KERNEL and attention.flash_attn_version is not None:
             forced = f"fa{attention.flash_attn_version}"
             chooser = "--attention-config flash_attn_version"
@@ -148,6 +137,22 @@ def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -
         ", ".join((*d3_dense_kernels.KERNEL_NAMES, RANGED_KERNEL)),
     )
     return True
+
+
+def _dense_pieces_refused(vllm_config: "VllmConfig", forced: str) -> str | None:
+    """Why the settings keep the dense pieces off (``forced``: the kernel
+    switch), or ``None``."""
+    flash_attn_version = vllm_config.attention_config.flash_attn_version
+    if forced == RANGED_KERNEL:
+        return f"{ATTENTION_KERNEL_KEY} is {RANGED_KERNEL}"
+    if flash_attn_version not in (None, 2, 3):
+        # FlashAttention 4 applies vLLM's ranges itself.
+        return f"FlashAttention {flash_attn_version} was chosen"
+    if is_quantized_kv_cache(vllm_config.cache_config.cache_dtype):
+        return "the dense pieces read a bf16/fp16 KV cache"
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        return "the dense pieces do not run with context parallelism"
+    return None
 
 
 def _choose_kernel(forced: str, chooser: str) -> tuple[str | None, str]:

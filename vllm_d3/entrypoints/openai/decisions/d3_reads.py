@@ -245,6 +245,20 @@ class D3StateBlockReads:
                 _Read(engine_inputs[n], sized, f"{request_id}-{n}", [n])
                 for n in range(len(ids))
             ], computed_tokens
+        return self._packed_reads(engine_inputs, sized, s, request_id)
+
+    def _packed_reads(
+        self,
+        engine_inputs: Sequence[Any],
+        sized: PoolingParams,
+        s: int,
+        request_id: str,
+    ) -> tuple[list[_Read], list[int]]:
+        """The packs ``state || q1 || ... || qQ`` of one read (``sized``: the
+        params with its state block size ``s``), and the tokens each question
+        costs."""
+        ids = [engine_input["prompt_token_ids"] for engine_input in engine_inputs]
+        computed_tokens = [len(prompt) - s for prompt in ids]
         packs = pack_questions(s, [len(p) - s for p in ids], self.max_pack_tokens)
         if len(packs) > 1:
             logger.info(
@@ -263,9 +277,8 @@ class D3StateBlockReads:
             for n in pack:
                 packed_ids += ids[n][s:]
                 ends.append(len(packed_ids))
-                computed_tokens[n] = len(ids[n]) - s
             computed_tokens[pack[0]] += s
-            packed = params.clone()
+            packed = sized.clone()
             packed.extra_kwargs = {
                 **(sized.extra_kwargs or {}),
                 QUESTION_ENDS_KEY: ends,

@@ -12,10 +12,9 @@ state, ``QUESTIONS_PER_SCAN`` at a time, on scratch convolution states and
 ``RowStates`` (which reads each question's recurrent state from its row's slot
 and drops its final state, which nothing reads). A small step instead runs as
 one scan of each question's own prompt, its state read again
-(``STATE_REREAD_TOKENS_MAX``). ``forward_packed_questions`` runs the scans where
-the layer's metadata is a ``PackedGDNAttentionMetadata`` and returns False
-otherwise; ``_forward_core`` calls it first. How it relies on 0.33.0's
-``_forward_core`` is in docs/upstream.md.
+(``STATE_REREAD_TOKENS_MAX``). ``_forward_core`` first calls
+``forward_packed_questions``, which runs the scans where the layer's metadata is
+a ``PackedGDNAttentionMetadata`` (its ties to 0.33.0: docs/upstream.md).
 """
 
 from collections.abc import Callable, Sequence
@@ -362,6 +361,47 @@ def packed_gdn_metadata(
     ]
 
 
+def _scan(
+    forward_core: Callable[..., Any],
+    inputs: tuple[torch.Tensor, ...],
+    core_attn_out: torch.Tensor,
+    tokens: PhaseTokens,
+    write_back: WriteBack | None = None,
+) -> None:
+    """One scan through ``forward_core`` of the layer's ``inputs`` (mixed qkv,
+    b, a) at ``tokens``, its output written to those rows of ``core_attn_out``
+    (a re-read state's tokens once each, ``write_back``)."""
+    if isinstance(tokens, slice):
+        # Row slices of the layer's tensors: the core writes in place.
+        forward_core(*(x[tokens] for x in inputs), core_attn_out[tokens])
+        return
+    out = core_attn_out.new_zeros((len(tokens), *core_attn_out.shape[1:]))
+    forward_core(*(x.index_select(0, tokens) for x in inputs), out)
+    if write_back is not None:
+        firsts, tokens = write_back
+        out = out[firsts]
+    core_attn_out.index_copy_(0, tokens, out)
+
+
+def _question_states(
+    cache: tuple[torch.Tensor, torch.Tensor], question_scan: BuiltQuestionScan
+) -> tuple[torch.Tensor, torch.Tensor | RowStates]:
+    """The layer's cache as ``question_scan`` binds it. Each block starts from
+    its row's state (after s tokens in phase B; none where it re-reads the
+    state): its own copy of the convolution state, which the kernel updates in
+    place, and the recurrent state as the core gathers it, or, where the builder
+    took one-token blocks for decodes, copies too: 0.33.0's decode kernel takes
+    the states as a tensor and updates them in place."""
+    conv_states, recurrent_states = cache
+    sources = question_scan.scratch_sources
+    if question_scan.metadata.num_decodes:
+        return (
+            conv_states.index_select(0, sources),
+            recurrent_states.index_select(0, sources),
+        )
+    return conv_states.index_select(0, sources), RowStates(recurrent_states, sources)
+
+
 def forward_packed_questions(
     layer: "QwenGatedDeltaNetAttention",
     forward_core: Callable[..., Any],
@@ -379,52 +419,23 @@ def forward_packed_questions(
     if not isinstance(metadata, PackedGDNAttentionMetadata):
         return False
     assert isinstance(all_metadata, dict)
-
-    def scan(
-        phase: GDNAttentionMetadata,
-        tokens: PhaseTokens,
-        write_back: WriteBack | None = None,
-    ) -> None:
-        all_metadata[layer.prefix] = phase
-        if isinstance(tokens, slice):
-            # Row slices of the layer's tensors: the core writes in place.
-            forward_core(mixed_qkv[tokens], b[tokens], a[tokens], core_attn_out[tokens])
-            return
-        out = core_attn_out.new_zeros((len(tokens), *core_attn_out.shape[1:]))
-        forward_core(
-            mixed_qkv.index_select(0, tokens),
-            b.index_select(0, tokens),
-            a.index_select(0, tokens),
-            out,
-        )
-        if write_back is not None:
-            # A re-read state's tokens: each written back once.
-            firsts, tokens = write_back
-            out = out[firsts]
-        core_attn_out.index_copy_(0, tokens, out)
-
+    inputs = (mixed_qkv, b, a)
     cache = layer.kv_cache
-    conv_states, recurrent_states = cache
     try:
         if metadata.phase_a is not None:
             assert metadata.state_tokens is not None
-            scan(metadata.phase_a, metadata.state_tokens)
+            all_metadata[layer.prefix] = metadata.phase_a
+            _scan(forward_core, inputs, core_attn_out, metadata.state_tokens)
         for question_scan in metadata.question_scans:
-            # Each block from its row's state (after s tokens in phase B; none
-            # where it re-reads the state): its own copy of the convolution
-            # state, which the kernel updates in place, and the recurrent state
-            # as the core gathers it, or, where the builder took one-token
-            # blocks for decodes, copies too: 0.33.0's decode kernel takes the
-            # states as a tensor and updates them in place.
-            sources = question_scan.scratch_sources
-            decodes = question_scan.metadata.num_decodes
-            layer.kv_cache = (
-                conv_states.index_select(0, sources),
-                recurrent_states.index_select(0, sources)
-                if decodes
-                else RowStates(recurrent_states, sources),
+            layer.kv_cache = _question_states(cache, question_scan)
+            all_metadata[layer.prefix] = question_scan.metadata
+            _scan(
+                forward_core,
+                inputs,
+                core_attn_out,
+                question_scan.tokens,
+                question_scan.write_back,
             )
-            scan(question_scan.metadata, question_scan.tokens, question_scan.write_back)
     finally:
         layer.kv_cache = cache
         all_metadata[layer.prefix] = metadata
