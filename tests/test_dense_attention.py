@@ -343,24 +343,30 @@ def test_flashinfer_autotune_is_skipped_by_default(make_checkpoint, hopper, hook
 
 
 @pytest.mark.parametrize(
-    ("attention_mode", "kwargs"),
+    ("attention_mode", "kwargs", "expected"),
     [
-        # The user's choice stays.
-        ("prefix_bidir", {"enable_flashinfer_autotune": True}),
+        # The user's choice stays, either way.
+        ("prefix_bidir", {"enable_flashinfer_autotune": True}, True),
+        ("prefix_bidir", {"enable_flashinfer_autotune": False}, False),
         # A chosen GDN prefill kernel may be FlashInfer's.
-        ("prefix_bidir", {"additional_config": {"gdn_prefill_backend": "flashinfer"}}),
+        (
+            "prefix_bidir",
+            {"additional_config": {"gdn_prefill_backend": "flashinfer"}},
+            True,
+        ),
         # So may a quantized model's matrix multiplies.
-        ("prefix_bidir", {"quantization": "fp8_per_tensor"}),
+        ("prefix_bidir", {"quantization": "fp8_per_tensor"}, True),
         # Other modes keep vLLM's default.
-        ("causal", {}),
+        ("causal", {}, True),
     ],
 )
-def test_flashinfer_autotune_where_it_may_tune(
-    make_checkpoint, hopper, attention_mode, kwargs
+def test_flashinfer_autotune_is_left_to_the_user_and_vllm(
+    make_checkpoint, hopper, hook_log, attention_mode, kwargs, expected
 ):
     checkpoint = make_checkpoint(attention_mode=attention_mode, weights=False)
     config = engine_config(checkpoint, **kwargs)
-    assert config.kernel_config.enable_flashinfer_autotune is True
+    assert config.kernel_config.enable_flashinfer_autotune is expected
+    assert not any("FlashInfer autotune off" in line for line in hook_log)
 
 
 @pytest.fixture
