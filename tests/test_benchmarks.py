@@ -791,55 +791,74 @@ def test_serve_flags_merge_every_additional_config():
     assert merge_additional_config(["--enforce-eager"]) == ["--enforce-eager"]
 
 
-def test_startup_phases_read_a_real_server_log():
+#: d3-turbo-shaped servers' logs from the H200, and their phases read by hand.
+STARTUP_LOGS = [
+    pytest.param(
+        "h200-paths-serve-one.log",
+        {
+            "model loading": 9.269471,
+            "torch.compile": 72.36,
+            "profiling/warmup run": 134.85,
+            "CUDA graph capture": 23.0,
+            "engine init": 256.43,
+            # 13:26:25, the first line, to 13:28:32, the engine's first.
+            "before the engine": 127.0,
+            # FlashInfer's own stamps: 13:32:27,869 to 13:32:29,804.
+            "FlashInfer autotune": 1.935,
+            # 13:32:29,804 to 13:32:41, the capture's end (13:33:04) less its 23 s.
+            "autotune end to serving capture": 11.196,
+        },
+        id="autotuned",
+    ),
+    pytest.param(
+        "h200-startup-serve-prefix_bidir-cold.log",
+        {
+            "model loading": 5.214287,
+            "torch.compile": 42.13,
+            "profiling/warmup run": 103.83,
+            # vLLM's memory profile captures graphs too: 17 s, then 7 s, summed.
+            "CUDA graph capture": 24.0,
+            "engine init": 195.87,
+            # 14:44:57, the first line, to 14:45:38, the engine's first.
+            "before the engine": 41.0,
+            # FlashInfer's own stamps: 14:48:43,201 to 14:48:43,552.
+            "FlashInfer autotune": 0.351,
+            # 14:48:43,552 to 14:48:55: the serving capture ends 14:49:02 after 7 s.
+            "autotune end to serving capture": 11.448,
+        },
+        id="cold, graphs captured twice",
+    ),
+    pytest.param(
+        "h200-one-scan-serve-default.log",
+        {
+            "model loading": 7.288321,
+            "torch.compile": 52.6,
+            "profiling/warmup run": 102.22,
+            # 21 s, then 9 s.
+            "CUDA graph capture": 30.0,
+            "engine init": 204.01,
+            # 16:45:53, the first line, to 16:46:55, the engine's first.
+            "before the engine": 62.0,
+            # 16:50:17, the skip, to 16:50:21: the serving capture ends 16:50:30
+            # after 9 s.
+            "autotune end to serving capture": 4.0,
+        },
+        id="autotune skipped (the config hook's choice for prefix_bidir)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("log_name", "expected"), STARTUP_LOGS)
+def test_startup_phases_read_a_real_server_log(log_name, expected):
     from benchmarks.startup import startup_phases
 
-    # A d3-turbo-shaped server's log from the H200; the numbers read by hand.
-    log = Path(__file__).parents[1] / "docs/benchmarks/h200-paths-serve-one.log"
-    assert startup_phases(log.read_text()) == {
-        "model loading": 9.269471,
-        "torch.compile": 72.36,
-        "profiling/warmup run": 134.85,
-        "CUDA graph capture": 23.0,
-        "engine init": 256.43,
-        # 13:26:25, the first line, to 13:28:32, the engine's first.
-        "before the engine": 127.0,
-        # FlashInfer's own stamps: 13:32:27,869 to 13:32:29,804.
-        "FlashInfer autotune": 1.935,
-        # 13:32:29,804 to 13:32:41, the capture's end (13:33:04) less its 23 s.
-        "autotune end to serving capture": 11.196,
-    }
-    # A cold start with vLLM's memory profile: graphs captured twice, summed.
-    cold = Path(log.parent, "h200-startup-serve-prefix_bidir-cold.log")
-    assert startup_phases(cold.read_text()) == {
-        "model loading": 5.214287,
-        "torch.compile": 42.13,
-        "profiling/warmup run": 103.83,
-        # 17 s, then 7 s.
-        "CUDA graph capture": 24.0,
-        "engine init": 195.87,
-        # 14:44:57, the first line, to 14:45:38, the engine's first.
-        "before the engine": 41.0,
-        # FlashInfer's own stamps: 14:48:43,201 to 14:48:43,552.
-        "FlashInfer autotune": 0.351,
-        # 14:48:43,552 to 14:48:55: the serving capture ends 14:49:02 after 7 s.
-        "autotune end to serving capture": 11.448,
-    }
-    # FlashInfer's autotune skipped (the config hook's choice for prefix_bidir).
-    skipped = Path(log.parent, "h200-one-scan-serve-default.log")
-    assert startup_phases(skipped.read_text()) == {
-        "model loading": 7.288321,
-        "torch.compile": 52.6,
-        "profiling/warmup run": 102.22,
-        # 21 s, then 9 s.
-        "CUDA graph capture": 30.0,
-        "engine init": 204.01,
-        # 16:45:53, the first line, to 16:46:55, the engine's first.
-        "before the engine": 62.0,
-        # 16:50:17, the skip, to 16:50:21: the serving capture ends 16:50:30
-        # after 9 s.
-        "autotune end to serving capture": 4.0,
-    }
+    log = Path(__file__).parents[1] / "docs/benchmarks" / log_name
+    assert startup_phases(log.read_text()) == expected
+
+
+def test_startup_phases_of_a_log_without_them():
+    from benchmarks.startup import startup_phases
+
     assert startup_phases("no such lines") == {}
 
 

@@ -103,8 +103,10 @@ def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -
     kind = KVCacheSpecKind.FULL_ATTENTION.value
     chosen = attention.backend_per_kind.get(kind, attention.backend)
     kernel: str | None = None
-    reason = unavailable if chosen is None else f"{chosen.name} was chosen"
-    reason = reason or _dense_pieces_refused(vllm_config, forced)
+    if chosen is not None:
+        reason: str | None = f"{chosen.name} was chosen"
+    else:
+        reason = unavailable or _dense_pieces_refused(vllm_config, forced)
     if reason is None:
         if forced == AUTO_KERNEL and attention.flash_attn_version is not None:
             forced = f"fa{attention.flash_attn_version}"
