@@ -811,7 +811,7 @@ STARTUP_LOGS = [
         id="autotuned",
     ),
     pytest.param(
-        "h200-startup-serve-prefix_bidir-cold.log",
+        "h200-startup-131072-serve-prefix_bidir-cold.log",
         {
             "model loading": 5.214287,
             "torch.compile": 42.13,
