@@ -29,7 +29,8 @@ Contract:
   minutes against minute 10 (``growth_pct``), and the requests the engine
   aborted (``aborted_in_engine``, from the server log).
 - Writes ``OUT/soak.json``, ``OUT/soak.md`` and, with matplotlib,
-  ``OUT/soak.png``.
+  ``OUT/soak.png``; at the end of every minute ``OUT/soak.partial.json``, the
+  results so far (the requests that ended; no engine aborts).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import re
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,8 @@ BAD_BODIES: tuple[tuple[str, bytes, dict[str, str]], ...] = (
     ("bad zstd", b"\x00 this is not a zstd frame \xff", {"content-encoding": "zstd"}),
 )
 ABORT_LINE = re.compile(r"Aborted request\(s\) (\S+)\.")
+#: The results so far, rewritten at the end of every minute.
+PARTIAL = "soak.partial.json"
 
 
 @dataclass(frozen=True)
@@ -301,16 +305,24 @@ async def sample(
     }
 
 
+#: Called with the outcomes and samples so far at the end of every minute.
+MinuteHook = Callable[[list[Outcome], list[dict[str, float | None]]], None]
+
+
 async def sampler(
     client: httpx.AsyncClient,
     server_pid: int | None,
     schedule: Schedule,
+    outcomes: list[Outcome],
     samples: list[dict[str, float | None]],
+    on_minute: MinuteHook | None,
 ) -> None:
-    """One sample at the end of every minute."""
+    """One sample at the end of every minute, then ``on_minute``."""
     while (left := schedule.deadline - time.monotonic()) > 0:
         await asyncio.sleep(min(schedule.minute_s, left))
         samples.append(await sample(client, server_pid))
+        if on_minute is not None:
+            on_minute(outcomes, samples)
 
 
 async def drive(
@@ -323,6 +335,7 @@ async def drive(
     minute_s: float,
     timeout: float,
     burst_minute: float | None,
+    on_minute: MinuteHook | None = None,
 ) -> tuple[list[Outcome], list[dict[str, float | None]]]:
     """Run ``clients`` client loops and the sampler for ``minutes``."""
     outcomes: list[Outcome] = []
@@ -337,7 +350,7 @@ async def drive(
             started, started + minutes * minute_s, minute_s, timeout, burst_at
         )
         await asyncio.gather(
-            sampler(client, server_pid, schedule, samples),
+            sampler(client, server_pid, schedule, outcomes, samples, on_minute),
             *(
                 client_loop(client, workload, schedule, outcomes)
                 for _ in range(clients)
@@ -563,6 +576,14 @@ def run(
         long_tokens=args.long_tokens,
         max_model_len=args.max_model_len,
     )
+
+    def partial(
+        outcomes: list[Outcome], samples: list[dict[str, float | None]]
+    ) -> None:
+        # The requests still running are not in it; nor are the engine's aborts.
+        so_far = summary(list(outcomes), samples, clients=args.clients, aborted=None)
+        (args.out / PARTIAL).write_text(json.dumps(so_far, indent=1))
+
     outcomes, samples = asyncio.run(
         drive(
             url,
@@ -573,6 +594,7 @@ def run(
             minute_s=args.minute_seconds,
             timeout=args.request_timeout,
             burst_minute=args.burst_minute,
+            on_minute=partial,
         )
     )
     aborted = len(aborted_ids(server_log.read_text())) if server_log else None

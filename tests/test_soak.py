@@ -135,6 +135,19 @@ def test_the_results_have_the_issues_keys(results):
     assert (out / "soak.md").read_text().startswith("# Soak: 4 minutes, 8 clients")
 
 
+def test_each_minute_leaves_the_results_so_far(results):
+    # Written at the end of minute 4, the last: every request that ended by
+    # then is in it, counted in the minute it ended, as in the final results.
+    found, out, _ = results
+    partial = json.loads((out / soak.PARTIAL).read_text())
+    assert partial["minutes"] == found["minutes"] == 4
+    assert [m["by_outcome"] for m in partial["per_minute"]] == [
+        m["by_outcome"] for m in found["per_minute"]
+    ]
+    assert partial["requests"] <= found["requests"]
+    assert partial["aborted_in_engine"] is None
+
+
 def test_every_kind_ran_and_was_counted(results):
     found, _, stand_in = results
     kinds = {"text", "media", "long", "cancel", "bad", "repeat", "burst"}
