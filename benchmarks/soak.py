@@ -3,7 +3,7 @@ many clients with a mixed, seeded workload (GPU; ``--url`` drives a server
 that is already up).
 
 ``python -m benchmarks.soak --out DIR [--minutes 20] [--clients 64] [--seed 0]
-[--burst-minute M] [--url URL [--server-pid PID] [--server-log FILE]]
+[--burst-minute M [--burst-states N]] [--url URL [--server-pid PID] [--server-log FILE]]
 [--serve-arg=FLAG ...]``
 
 Contract:
@@ -18,9 +18,10 @@ Contract:
   in about 1 of 20, a bad input in about 1 of 50 (``BAD_BODIES``, then the
   validation's bad /v1/systemone bodies, ``validation.bad_inputs``), and one of
   ``REPEATED`` fixed requests in about 1 of 30, whose answers are held to
-  their first. ``--burst-minute M``: at minute M every client sends a state of
-  the longest ``--long-tokens`` at once (with 64 clients, more than an H200's
-  KV cache holds), which must queue and be answered (``burst``).
+  their first. ``--burst-minute M``: at minute M ``--burst-states`` clients
+  (``BURST_STATES``) each send a state of the longest ``--long-tokens`` at
+  once, more than the KV cache holds, which must queue and be answered
+  (``burst``).
 - Per minute (``--minute-seconds``): requests by outcome (``OUTCOMES``), p50
   and p99 latency per kind, GPU memory used, the server's RSS (its process
   tree), vLLM's running and waiting requests from ``/metrics``. At the end:
@@ -74,6 +75,10 @@ MEDIA_SHARE = 0.25
 REPEATED = 3
 #: The long states' lengths in tokens (d3-turbo at --max-model-len 131072).
 LONG_TOKENS = (24_000, 117_000)
+#: The burst's longest states: 10 x 117K tokens is more than the 915K an H200's
+#: KV cache holds at d3-turbo's shape and --max-model-len 131072, and about 3
+#: minutes of its GPU.
+BURST_STATES = 10
 #: How long a cancelled request runs before its client closes the connection.
 CANCEL_AFTER_S = (0.2, 3.0)
 #: Memory growth is the last ``GROWTH_WINDOW`` minutes against this minute.
@@ -151,7 +156,7 @@ class Workload:
         )
 
     def burst(self) -> Job:
-        """A longest state, which every client sends at once in the burst."""
+        """A longest state, which the burst's clients send at once."""
         return Job("burst", self.long_state(self.long_tokens[1]))
 
     def special_kind(self) -> str | None:
@@ -236,8 +241,9 @@ async def client_loop(
     workload: Workload,
     schedule: Schedule,
     outcomes: list[Outcome],
+    in_burst: bool,
 ) -> None:
-    burst_due = schedule.burst_at is not None
+    burst_due = in_burst and schedule.burst_at is not None
     while (begun := time.monotonic()) < schedule.deadline:
         if burst_due and begun >= schedule.started + (schedule.burst_at or 0):
             job, burst_due = workload.burst(), False
@@ -335,9 +341,11 @@ async def drive(
     minute_s: float,
     timeout: float,
     burst_minute: float | None,
+    burst_states: int = BURST_STATES,
     on_minute: MinuteHook | None = None,
 ) -> tuple[list[Outcome], list[dict[str, float | None]]]:
-    """Run ``clients`` client loops and the sampler for ``minutes``."""
+    """Run ``clients`` client loops and the sampler for ``minutes``; the first
+    ``burst_states`` clients send the burst."""
     outcomes: list[Outcome] = []
     samples: list[dict[str, float | None]] = []
     limits = httpx.Limits(
@@ -352,8 +360,8 @@ async def drive(
         await asyncio.gather(
             sampler(client, server_pid, schedule, outcomes, samples, on_minute),
             *(
-                client_loop(client, workload, schedule, outcomes)
-                for _ in range(clients)
+                client_loop(client, workload, schedule, outcomes, n < burst_states)
+                for n in range(clients)
             ),
         )
     return outcomes, samples
@@ -594,6 +602,7 @@ def run(
             minute_s=args.minute_seconds,
             timeout=args.request_timeout,
             burst_minute=args.burst_minute,
+            burst_states=args.burst_states,
             on_minute=partial,
         )
     )
@@ -616,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=900)
     parser.add_argument("--long-tokens", type=_tokens, default=LONG_TOKENS)
     parser.add_argument("--burst-minute", type=float)
+    parser.add_argument("--burst-states", type=int, default=BURST_STATES)
     parser.add_argument("--max-model-len", type=int, default=LONG_MAX_MODEL_LEN)
     parser.add_argument("--url")
     parser.add_argument("--server-pid", type=int)
