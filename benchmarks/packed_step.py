@@ -14,11 +14,13 @@ Contract:
   ``--compilation-config`` as vLLM takes it), its engine core in this process too
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 - Each shape ``SxQLxQ`` (state tokens, tokens per question, questions) is sent
-  through ``LLM.classify`` four ways, fresh random token ids each call:
+  through ``LLM.classify`` five ways, fresh random token ids each call:
   ``packed`` (one prompt ``state || q1 || ... || qQ`` with
-  ``d3_question_ends``: the state read once), ``packed, two phases`` (the same
-  with ``STATE_REREAD_TOKENS_MAX`` set to 0 for the call: the Gated DeltaNet in
-  two phases whatever the step's size), ``one block`` (the same prompt as a
+  ``d3_question_ends``: the state read once), ``packed, two phases`` and
+  ``packed, one scan`` (the same with ``STATE_REREAD_TOKENS_MAX`` set for the
+  call to 0 or past any step: the Gated DeltaNet in two phases, or as one scan
+  of each question's own prompt wherever the step's blocks fit one scan,
+  ``QUESTIONS_PER_SCAN``), ``one block`` (the same prompt as a
   single question block: the same tokens through the single-phase path) and
   ``per question`` (Q prompts ``state || qi``, one step). ``--copies N``
   sends N such requests in each call, each with its own state and questions,
@@ -29,7 +31,8 @@ Contract:
   ``FILE`` (``FILE.<shape>.<way>.trace.json.gz``, the way's words joined by
   ``-``); for the first shape the profiler tables (by total and self CPU
   time, and by CUDA time) of every way's call but ``per question``
-  (``FILE.packed.txt``, ``FILE.packed-two-phases.txt``, ``FILE.one-block.txt``).
+  (``FILE.packed.txt``, ``FILE.packed-two-phases.txt``,
+  ``FILE.packed-one-scan.txt``, ``FILE.one-block.txt``).
 - Writes ``FILE`` (JSON: the layers, the copies, a list of ``{"shape",
   "way", "median_ms", "samples_ms"}`` and, with ``--profile``, ``timelines``:
   ``{"shape", "way", ...}`` with the timeline's fields) and prints a line per
@@ -63,10 +66,15 @@ from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 from .gpu_timeline import timeline
 from .validation import VALIDATED_LENGTH
 
-WAYS = ("packed", "packed, two phases", "one block", "per question")
-#: The way that sends a packed request with the one-scan form of small steps
-#: off (the engine core runs in this process, so the rule can be set per call).
-TWO_PHASES = "packed, two phases"
+#: The ways that send a packed request, by the one-scan rule each sets for its
+#: calls (``STATE_REREAD_TOKENS_MAX``; None: as shipped). The engine core runs in
+#: this process, so the rule can be set per call.
+PACKED_WAYS: dict[str, int | None] = {
+    "packed": None,
+    "packed, two phases": 0,
+    "packed, one scan": 1 << 30,
+}
+WAYS = (*PACKED_WAYS, "one block", "per question")
 #: Token ids drawn for the prompts: ordinary text tokens of the D3 tokenizer.
 TOKEN_IDS = (1000, 50000)
 WARMUP_CALLS = 2
@@ -108,7 +116,7 @@ def prompts(
     """(token ids, extra_kwargs) of the prompts that send ``way``."""
     s = len(state)
     packed = state + [t for q in questions for t in q]
-    if way in ("packed", TWO_PHASES):
+    if way in PACKED_WAYS:
         ends = list(itertools.accumulate((len(q) for q in questions), initial=s))
         return [(packed, {STATE_TOKENS_KEY: s, QUESTION_ENDS_KEY: ends[1:]})]
     if way == "one block":
@@ -204,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         def call(way: str, shape: tuple[int, int, int]) -> float:
             sent = step_prompts(way, shape, args.copies, rng)
             shipped = packed_questions.STATE_REREAD_TOKENS_MAX
-            if way == TWO_PHASES:
-                packed_questions.STATE_REREAD_TOKENS_MAX = 0
+            rule = PACKED_WAYS.get(way)
+            if rule is not None:
+                packed_questions.STATE_REREAD_TOKENS_MAX = rule
             started = time.perf_counter()
             try:
                 llm.classify(

@@ -692,10 +692,10 @@ def test_packed_step_sends_the_same_questions_three_ways(tmp_path):
     assert packed_step.prompts("one block", state, questions) == [
         (packed, {"d3_state_tokens": 3})
     ]
-    # The two-phase way sends the packed request itself (only the rule differs).
-    assert packed_step.prompts(packed_step.TWO_PHASES, state, questions) == [
-        (packed, extra)
-    ]
+    # The two-phase and one-scan ways send the packed request itself (only the
+    # rule differs).
+    for way in ("packed, two phases", "packed, one scan"):
+        assert packed_step.prompts(way, state, questions) == [(packed, extra)]
     # Copies: one request each, with its own state and questions.
     rng = random.Random(0)
     copies = packed_step.step_prompts("packed", (3, 2, 4), 3, rng)
