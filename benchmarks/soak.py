@@ -589,7 +589,7 @@ def run(
         outcomes: list[Outcome], samples: list[dict[str, float | None]]
     ) -> None:
         # The requests still running are not in it; nor are the engine's aborts.
-        so_far = summary(list(outcomes), samples, clients=args.clients, aborted=None)
+        so_far = summary(outcomes, samples, clients=args.clients, aborted=None)
         (args.out / PARTIAL).write_text(json.dumps(so_far, indent=1))
 
     outcomes, samples = asyncio.run(

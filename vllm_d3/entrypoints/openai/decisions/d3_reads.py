@@ -258,8 +258,10 @@ class D3StateBlockReads:
         params with its state block size ``s``), and the tokens each question
         costs."""
         ids = [engine_input["prompt_token_ids"] for engine_input in engine_inputs]
-        computed_tokens = [len(prompt) - s for prompt in ids]
-        packs = pack_questions(s, [len(p) - s for p in ids], self.max_pack_tokens)
+        question_lens = [len(prompt) - s for prompt in ids]
+        packs = pack_questions(s, question_lens, self.max_pack_tokens)
+        # Each question's own tokens, and a pack's state with its first.
+        computed_tokens = list(question_lens)
         if len(packs) > 1:
             logger.info(
                 "D3 request %s: %d questions in %d packs, each reading the %d-token "
