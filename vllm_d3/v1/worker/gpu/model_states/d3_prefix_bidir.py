@@ -21,7 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    QwenGatedDeltaNetAttention,
+)
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
@@ -33,6 +37,11 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     PackedRow,
     packed_gdn_metadata,
     step_phases,
+)
+from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import (
+    FLA_PREFILL_BACKEND,
+    split_gdn_metadata,
+    split_recurrence,
 )
 from vllm_d3.model_executor.models.d3_contract import (
     PrefixRanges,
@@ -48,9 +57,27 @@ WARMUP_REQUEST_PREFIX = "_warmup_"
 
 
 class D3PrefixBidirModelState(MambaHybridModelState):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        model: torch.nn.Module,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(vllm_config, model, *args, **kwargs)
         self.state_blocks: dict[str, StateBlock] = {}
+        # The convolution window of the Gated DeltaNet layers where all of them
+        # prefill on FLA's chunked rule (a packed step may then run in one
+        # pass, split_recurrence), else None.
+        layers = [
+            m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)
+        ]
+        self.split_window = (
+            layers[0].conv_kernel_size - 1
+            if layers
+            and all(m.gdn_prefill_backend == FLA_PREFILL_BACKEND for m in layers)
+            else None
+        )
 
     def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
         params = new_req_data.pooling_params
@@ -189,12 +216,25 @@ class D3PrefixBidirModelState(MambaHybridModelState):
                         f"not {type(builder).__name__}"
                     )
                 gdn_groups.append((group, builder, block_tables[group_id]))
-        packed_metadata = packed_gdn_metadata(
-            [
-                (attn_metadata[group.layer_names[0]], builder, block_table)
-                for group, builder, block_table in gdn_groups
-            ],
-            phases,
+        gdn_metadata = [
+            (attn_metadata[group.layer_names[0]], builder, block_table)
+            for group, builder, block_table in gdn_groups
+        ]
+        split = (
+            None
+            if phases.phase_a is None or self.split_window is None
+            else split_recurrence(
+                input_batch.query_start_loc_np[: num_reqs + 1],
+                np.asarray(input_batch.seq_lens_cpu_upper_bound[:num_reqs]),
+                packed,
+                self.split_window,
+                input_batch.query_start_loc.device,
+            )
+        )
+        packed_metadata = (
+            packed_gdn_metadata(gdn_metadata, phases)
+            if split is None
+            else split_gdn_metadata(gdn_metadata, split)
         )
         for (group, _, _), metadata in zip(gdn_groups, packed_metadata, strict=True):
             for name in group.layer_names:
