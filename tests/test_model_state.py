@@ -39,6 +39,7 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
 )
 from vllm_d3.model_executor.models.d3 import D3ForSequenceClassification
 from vllm_d3.model_executor.models.d3_contract import StateBlock
+from vllm_d3.testing.gdn_forms import gdn_form
 from vllm_d3.testing.model_runner import (
     CPU,
     PACKED,
@@ -443,6 +444,29 @@ def test_steps_the_one_pass_does_not_take_keep_two_phases(
     _, scan, _ = hybrid_metadata(state, order, lens, [s for *_, s in step])
     assert isinstance(scan, packed_questions.PackedGDNAttentionMetadata)
     assert scan.phase_a is not None
+
+
+@pytest.mark.parametrize(
+    ("form", "expected"),
+    [
+        ("two phases", packed_questions.PackedGDNAttentionMetadata),
+        ("one pass", split_recurrence.SplitGDNAttentionMetadata),
+    ],
+)
+def test_a_form_is_chosen_per_call_and_the_rules_restored(
+    state, monkeypatch, form, expected
+):
+    # The one pass as shipped, the re-read rule at the fixture's 0: "one pass"
+    # sets the re-read rule only, "two phases" both.
+    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
+    model_state, _ = state
+    for index, (req_id, n, extra, _) in enumerate(STEP):
+        model_state.add_request(index, new_request(req_id, n, extra))
+    with gdn_form(form):
+        _, scan, _ = hybrid_metadata(state, ["a", "p", "r"], [10, 20, 14], [3, 5, 7])
+    assert type(scan) is expected
+    assert packed_questions.STATE_REREAD_TOKENS_MAX == 0
+    assert split_recurrence.SPLIT_SEQUENCES_MAX == SPLIT_SEQUENCES_MAX
 
 
 def test_the_one_pass_needs_fresh_rows(monkeypatch):
