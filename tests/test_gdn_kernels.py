@@ -28,6 +28,13 @@ from vllm_d3.testing.model_runner import STEP
 pytestmark = pytest.mark.plugin
 
 
+#: A plain row and a packed one whose blocks span several of FLA's 64-token
+#: chunks (the state three, each question two), so that the recurrence across
+#: chunks carries a state within every block.
+LONG = [
+    ("a", 70, {"d3_state_tokens": 70}, 3),
+    ("p", 300, {"d3_state_tokens": 150, "d3_question_ends": [220, 300]}, 5),
+]
 #: A packed request whose first question block is one token.
 ONE_TOKEN_FIRST = [("q", 12, {"d3_state_tokens": 5, "d3_question_ends": [6, 12]}, 3)]
 
@@ -85,6 +92,9 @@ def runs(make_checkpoint, tmp_path_factory):
     short_inputs = tuple(x[:12] for x in inputs)
     short_rows, short_tokens = own_prompts(ONE_TOKEN_FIRST, first_slot=8)
     short_own = torch.tensor([t for row in short_tokens for t in row])
+    long_inputs = draw_inputs(sum(n for _, n, _, _ in LONG), generator)
+    long_rows, long_tokens = own_prompts(LONG, first_slot=8)
+    long_own = torch.tensor([t for row in long_tokens for t in row])
     # (step, inputs, the plugin's core, questions per scan, states re-read,
     # sequences of a split recurrence)
     cases = {
@@ -111,6 +121,16 @@ def runs(make_checkpoint, tmp_path_factory):
             64,
             0,
             SPLIT_SEQUENCES_MAX,
+        ),
+        "long-split": (LONG, long_inputs, True, 64, 0, SPLIT_SEQUENCES_MAX),
+        "long-two-phases": (LONG, long_inputs, True, 64, 0, 0),
+        "long-own-prompts": (
+            long_rows,
+            tuple(x[long_own] for x in long_inputs),
+            True,
+            64,
+            0,
+            0,
         ),
         "one-token-own-prompts": (
             short_rows,
@@ -152,7 +172,11 @@ def runs(make_checkpoint, tmp_path_factory):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     results = dict(zip(cases, torch.load(folder / "out.pt"), strict=True))
-    return results, {"own-prompts": tokens, "one-token-own-prompts": short_tokens}
+    return results, {
+        "own-prompts": tokens,
+        "one-token-own-prompts": short_tokens,
+        "long-own-prompts": long_tokens,
+    }
 
 
 def own_outputs(runs, case: str = "own-prompts"):
@@ -193,6 +217,16 @@ def test_packed_questions_equal_their_own_prompts_on_vllms_kernels(runs, case, f
     assert not out.isnan().any()
     # float16 rounding, in the interpreter as on a GPU.
     assert max_error(out, expected) < 2e-3
+
+
+@pytest.mark.parametrize(
+    ("case", "form"),
+    [("long-split", "split recurrence"), ("long-two-phases", "two phases")],
+)
+def test_blocks_of_several_chunks_equal_their_own_prompts(runs, case, form):
+    assert runs[0][case]["form"] == form
+    out = runs[0][case]["out"]
+    assert max_error(out, own_outputs(runs, "long-own-prompts")) < 2e-3
 
 
 def test_a_one_token_first_question_equals_its_own_prompt(runs):
