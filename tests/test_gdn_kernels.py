@@ -98,6 +98,8 @@ def runs(make_checkpoint, tmp_path_factory):
     # (step, inputs, the plugin's core, questions per scan, states re-read,
     # sequences of a split recurrence)
     cases = {
+        # First, as vLLM's kernel warm-up: 0.33.0's method on fresh prompts.
+        "warm-up": (read_alone, tuple(x[read_tokens] for x in inputs), False, 64, 0, 0),
         "gathered": (STEP, inputs, True, 64, 0, 0),
         "views": (alone, alone_inputs, True, 64, 0, 0),
         "two-per-scan": (STEP, inputs, True, 2, 0, 0),
@@ -227,6 +229,17 @@ def test_blocks_of_several_chunks_equal_their_own_prompts(runs, case, form):
     assert runs[0][case]["form"] == form
     out = runs[0][case]["out"]
     assert max_error(out, own_outputs(runs, "long-own-prompts")) < 2e-3
+
+
+def test_the_one_pass_autotunes_no_kernel_the_warm_up_did_not(runs):
+    # A configuration the one pass were the first to autotune would be tuned
+    # during the first packed request a server gets. "split" is the run's
+    # first case in one pass.
+    results, _ = runs
+    tuned = results["warm-up"]["tuned"]
+    assert any("chunk_gated_delta_rule_fwd" in key for key in tuned)
+    assert results["split"]["form"] == "split recurrence"
+    assert results["split"]["tuned"] == []
 
 
 def test_a_one_token_first_question_equals_its_own_prompt(runs):

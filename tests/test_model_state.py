@@ -392,7 +392,12 @@ def test_a_step_with_a_row_that_continues_keeps_two_phases(state, monkeypatch):
     assert continued.phase_a.seq_lens.tolist() == [16, 5]
 
 
-def test_a_packed_step_on_fla_runs_in_one_pass(state, monkeypatch):
+@pytest.mark.parametrize(
+    "reread_max", [0, STATE_REREAD_TOKENS_MAX], ids=["else-two-phases", "as-shipped"]
+)
+def test_a_packed_step_on_fla_runs_in_one_pass(state, monkeypatch, reread_max):
+    # Shipped, the step is small enough for one scan: the one pass goes first.
+    reread_small_steps(monkeypatch, reread_max)
     monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
     model_state, _ = state
     # The tiny checkpoint's layers prefill on FLA's rule, with a convolution
@@ -408,8 +413,9 @@ def test_a_packed_step_on_fla_runs_in_one_pass(state, monkeypatch):
     assert one_pass.non_spec_query_start_loc.tolist() == [0, 10, 15, 19, 22, 30]
     assert one_pass.non_spec_state_indices_tensor.tolist() == [1, 2, 3, 4, 5]
     assert one_pass.has_initial_state.tolist() == [False, False, True, True, True]
-    mask = one_pass.prefill_has_initial_state
-    assert mask.device.type == "cpu" and mask.tolist() == [True] * 5
+    # States to zero: the builder's own mask, on the step's device (a host
+    # mask would wait for the GPU every layer).
+    assert one_pass.prefill_has_initial_state is one_pass.has_initial_state
     # The step's own fields stay the builder's: the rows on their slots.
     assert scan.non_spec_state_indices_tensor.tolist() == [3, 5]
     split = scan.split

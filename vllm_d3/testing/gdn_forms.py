@@ -16,8 +16,8 @@ from vllm_d3.model_executor.layers.mamba.gdn import packed_questions, split_recu
 FORMS: dict[str, tuple[int | None, int | None]] = {
     "as served": (None, None),
     "two phases": (0, 0),
-    # Wherever the step's blocks fit one scan.
-    "one scan": (1 << 30, None),
+    # Wherever the step's blocks fit one scan (the one pass off).
+    "one scan": (1 << 30, 0),
     # Wherever the split recurrence takes the step.
     "one pass": (0, None),
 }

@@ -15,8 +15,9 @@ own, with ``ENVIRONMENT``:
     python -m vllm_d3.testing.gdn_kernels CHECKPOINT CASES OUT
 
 ``CASES`` is a ``torch.save`` of a list of ``Case`` dicts; ``OUT`` gets, for
-each, the layer's output, its state caches before and after the step and
-the form its Gated DeltaNet ran in (``run_case``).
+each, the layer's output, its state caches before and after the step, the
+form its Gated DeltaNet ran in and the kernel configurations it was the first
+case to autotune (``run_case``).
 Each case builds the model state of ``vllm serve CHECKPOINT`` on the CPU,
 schedules ``step`` (``(req_id, prompt_len, extra, slot)`` per row, whole
 prompts) through its ``prepare_attn``, and runs one Gated DeltaNet layer's
@@ -139,10 +140,35 @@ def use_interpreter() -> None:
     interpreter._patch_lang = patch_lang_and_range
 
 
-def run_case(checkpoint: str, case: Case) -> dict[str, torch.Tensor | str]:
+def autotuned() -> set[str]:
+    """Every kernel configuration Triton's autotuner has chosen in this
+    process, as ``"kernel: key"`` (the key: the autotuner's key arguments and
+    its arguments' dtypes)."""
+    import triton.language as tl
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    tuners = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm.") or vars(module).get("tl") is not tl:
+            continue
+        for member in list(vars(module).values()):
+            # Heuristics wrap the autotuner, which wraps the kernel.
+            while isinstance(member, Heuristics):
+                member = member.fn
+            if isinstance(member, Autotuner):
+                tuners[id(member)] = member
+    return {
+        f"{tuner.base_fn.__name__}: {key}"
+        for tuner in tuners.values()
+        for key in tuner.cache
+    }
+
+
+def run_case(checkpoint: str, case: Case) -> dict[str, Any]:
     """The layer's output over ``case`` (``out``), its caches before and after
-    it (``conv_before``, ``ssm_before``, ``conv_after``, ``ssm_after``) and the
-    form the step ran in (``form``: ``FORMS``)."""
+    it (``conv_before``, ``ssm_before``, ``conv_after``, ``ssm_after``), the
+    form the step ran in (``form``: ``FORMS``) and the kernel configurations
+    it autotuned that no earlier case had (``tuned``)."""
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
@@ -200,12 +226,14 @@ def run_case(checkpoint: str, case: Case) -> dict[str, torch.Tensor | str]:
             if case["restart"]
             else types.MethodType(QwenGatedDeltaNetAttention._forward_core, layer)
         )
+        tuned_before = autotuned()
         with set_forward_context({gdn[0]: metadata}, config):
             core(mixed_qkv, b, a, out)
         conv_after, ssm_after = layer.kv_cache
         conv_before, ssm_before = before
         return {
             "form": form_of(metadata),
+            "tuned": sorted(autotuned() - tuned_before),
             "out": out,
             "conv_before": conv_before,
             "ssm_before": ssm_before,

@@ -16,7 +16,7 @@ prompt that ran whole (prefix caching is refused for prefix_bidir).
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from functools import partial
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
@@ -166,14 +166,12 @@ def split_gdn_metadata(
 ) -> list[SplitGDNAttentionMetadata]:
     """Each KV-cache group's step metadata with the one pass, which is the same
     for every group (it runs on scratch slots): built once, by the first
-    group's builder, with the recurrent initial-state mask on the host and all
-    set (every initial state the core gathers is already zero,
-    ``FreshStates``: 0.33.0's masked fill over them would change nothing)."""
+    group's builder. Its initial-state mask stays the builder's, on the device:
+    the masked fill over the gathered states (zeros, ``FreshStates``) is one
+    kernel a layer, where a host mask would copy to the device from pageable
+    memory and so wait for the GPU, every layer."""
     _, builder, _ = groups[0]
     one_pass = builder.build(0, split.metadata)
-    assert one_pass.prefill_has_initial_state is not None
-    on_host = torch.ones(len(one_pass.prefill_has_initial_state), dtype=torch.bool)
-    one_pass = replace(one_pass, prefill_has_initial_state=on_host)
     return [
         SplitGDNAttentionMetadata(
             **{f.name: getattr(metadata, f.name) for f in fields(GDNAttentionMetadata)},
@@ -256,8 +254,10 @@ def two_pass_rule(
         chunk_indices=chunk_indices,
         chunk_offsets=chunk_offsets,
     )
-    # FLA annotates two results; it returns (h, new values, final states).
-    _, _, ends = recurrence(initial_state=initial_state, save_new_value=False)  # type: ignore[misc]
+    # FLA annotates two results; it returns (h, new values, final states). The
+    # new values are kept, unread, so that the kernel is the variant vLLM's
+    # warm-up has autotuned (without them, the first step would autotune it).
+    _, _, ends = recurrence(initial_state=initial_state)  # type: ignore[misc]
     initial_state.index_copy_(
         0, split.questions, ends[split.sources].to(initial_state.dtype)
     )

@@ -231,17 +231,18 @@ class D3PrefixBidirModelState(MambaHybridModelState):
         self, input_batch: InputBatch, packed: list[PackedRow], groups: list[GDNGroup]
     ) -> list[GDNAttentionMetadata]:
         """Each group's metadata of the step: its one pass where the layers run
-        FLA's rule and the step allows it, except a step small enough for one
-        scan of each question's own prompt; else ``step_phases``' scans."""
+        FLA's rule and the step allows it, else ``step_phases``' scans (one
+        scan of each question's own prompt for a small step, else two
+        phases)."""
         num_reqs = input_batch.num_reqs
         query_start_loc = input_batch.query_start_loc_np[: num_reqs + 1]
         seq_lens = np.asarray(input_batch.seq_lens_cpu_upper_bound[:num_reqs])
         device = input_batch.query_start_loc.device
-        phases = step_phases(query_start_loc, seq_lens, packed, device)
-        if phases.phase_a is not None and self.split_window is not None:
+        if self.split_window is not None:
             split = split_recurrence(
                 query_start_loc, seq_lens, packed, self.split_window, device
             )
             if split is not None:
                 return list(split_gdn_metadata(groups, split))
+        phases = step_phases(query_start_loc, seq_lens, packed, device)
         return list(packed_gdn_metadata(groups, phases))
