@@ -14,13 +14,12 @@ Contract:
   ``--compilation-config`` as vLLM takes it), its engine core in this process too
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 - Each shape ``SxQLxQ`` (state tokens, tokens per question, questions) is sent
-  through ``LLM.classify`` five ways, fresh random token ids each call:
+  through ``LLM.classify`` six ways, fresh random token ids each call:
   ``packed`` (one prompt ``state || q1 || ... || qQ`` with
-  ``d3_question_ends``: the state read once), ``packed, two phases`` and
-  ``packed, one scan`` (the same with ``STATE_REREAD_TOKENS_MAX`` set for the
-  call to 0 or past any step: the Gated DeltaNet in two phases, or as one scan
-  of each question's own prompt wherever the step's blocks fit one scan,
-  ``QUESTIONS_PER_SCAN``), ``one block`` (the same prompt as a
+  ``d3_question_ends``: the state read once), ``packed, two phases``,
+  ``packed, one scan`` and ``packed, one pass`` (the same with its Gated
+  DeltaNet in that form where the step allows it, ``gdn_forms``), ``one
+  block`` (the same prompt as a
   single question block: the same tokens through the single-phase path) and
   ``per question`` (Q prompts ``state || qi``, one step). ``--copies N``
   sends N such requests in each call, each with its own state and questions,
@@ -31,8 +30,8 @@ Contract:
   ``FILE`` (``FILE.<shape>.<way>.trace.json.gz``, the way's words joined by
   ``-``); for the first shape the profiler tables (by total and self CPU
   time, and by CUDA time) of every way's call but ``per question``
-  (``FILE.packed.txt``, ``FILE.packed-two-phases.txt``,
-  ``FILE.packed-one-scan.txt``, ``FILE.one-block.txt``).
+  (``FILE.packed.txt``, ``FILE.packed-two-phases.txt``, ...,
+  ``FILE.one-block.txt``).
 - Writes ``FILE`` (JSON: the layers, the copies, a list of ``{"shape",
   "way", "median_ms", "samples_ms"}`` and, with ``--profile``, ``timelines``:
   ``{"shape", "way", ...}`` with the timeline's fields) and prints a line per
@@ -55,24 +54,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_d3.model_executor.layers.mamba.gdn import packed_questions
 from vllm_d3.model_executor.models.d3_contract import (
     QUESTION_ENDS_KEY,
     STATE_TOKENS_KEY,
 )
+from vllm_d3.testing.gdn_forms import gdn_form
 from vllm_d3.testing.server import GDN_PREFILL_BACKEND
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 
 from .gpu_timeline import timeline
 from .validation import VALIDATED_LENGTH
 
-#: The ways that send a packed request, by the one-scan rule each sets for its
-#: calls (``STATE_REREAD_TOKENS_MAX``; None: as shipped). The engine core runs in
-#: this process, so the rule can be set per call.
-PACKED_WAYS: dict[str, int | None] = {
-    "packed": None,
-    "packed, two phases": 0,
-    "packed, one scan": 1 << 30,
+#: The ways that send a packed request, by the Gated DeltaNet form each asks
+#: of its calls (``gdn_forms``: the engine core runs in this process).
+PACKED_WAYS = {
+    "packed": "as served",
+    "packed, two phases": "two phases",
+    "packed, one scan": "one scan",
+    "packed, one pass": "one pass",
 }
 WAYS = (*PACKED_WAYS, "one block", "per question")
 #: Token ids drawn for the prompts: ordinary text tokens of the D3 tokenizer.
@@ -211,12 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def call(way: str, shape: tuple[int, int, int]) -> float:
             sent = step_prompts(way, shape, args.copies, rng)
-            shipped = packed_questions.STATE_REREAD_TOKENS_MAX
-            rule = PACKED_WAYS.get(way)
-            if rule is not None:
-                packed_questions.STATE_REREAD_TOKENS_MAX = rule
-            started = time.perf_counter()
-            try:
+            with gdn_form(PACKED_WAYS.get(way, "as served")):
+                started = time.perf_counter()
                 llm.classify(
                     [TokensPrompt(prompt_token_ids=ids) for ids, _ in sent],
                     pooling_params=[
@@ -227,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                     ],
                     use_tqdm=False,
                 )
-            finally:
-                packed_questions.STATE_REREAD_TOKENS_MAX = shipped
-            return (time.perf_counter() - started) * 1e3
+                return (time.perf_counter() - started) * 1e3
 
         results = []
         for shape in shapes:

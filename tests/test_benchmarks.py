@@ -694,7 +694,7 @@ def test_packed_step_sends_the_same_questions_three_ways(tmp_path):
     ]
     # The two-phase and one-scan ways send the packed request itself (only the
     # rule differs).
-    for way in ("packed, two phases", "packed, one scan"):
+    for way in ("packed, two phases", "packed, one scan", "packed, one pass"):
         assert packed_step.prompts(way, state, questions) == [(packed, extra)]
     # Copies: one request each, with its own state and questions.
     rng = random.Random(0)

@@ -17,6 +17,9 @@ import torch
 from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     STATE_REREAD_TOKENS_MAX,
 )
+from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import (
+    SPLIT_SEQUENCES_MAX,
+)
 from vllm_d3.testing.gdn_kernels import CACHE_SLOTS, ENVIRONMENT
 from vllm_d3.testing.model_runner import STEP
 
@@ -25,6 +28,13 @@ from vllm_d3.testing.model_runner import STEP
 pytestmark = pytest.mark.plugin
 
 
+#: A plain row and a packed one whose blocks span several of FLA's 64-token
+#: chunks (the state three, each question two), so that the recurrence across
+#: chunks carries a state within every block.
+LONG = [
+    ("a", 70, {"d3_state_tokens": 70}, 3),
+    ("p", 300, {"d3_state_tokens": 150, "d3_question_ends": [220, 300]}, 5),
+]
 #: A packed request whose first question block is one token.
 ONE_TOKEN_FIRST = [("q", 12, {"d3_state_tokens": 5, "d3_question_ends": [6, 12]}, 3)]
 
@@ -82,21 +92,54 @@ def runs(make_checkpoint, tmp_path_factory):
     short_inputs = tuple(x[:12] for x in inputs)
     short_rows, short_tokens = own_prompts(ONE_TOKEN_FIRST, first_slot=8)
     short_own = torch.tensor([t for row in short_tokens for t in row])
-    # (step, inputs, the plugin's core, questions per scan, states re-read)
+    long_inputs = draw_inputs(sum(n for _, n, _, _ in LONG), generator)
+    long_rows, long_tokens = own_prompts(LONG, first_slot=8)
+    long_own = torch.tensor([t for row in long_tokens for t in row])
+    # (step, inputs, the plugin's core, questions per scan, states re-read,
+    # sequences of a split recurrence)
     cases = {
-        "gathered": (STEP, inputs, True, 64, 0),
-        "views": (alone, alone_inputs, True, 64, 0),
-        "two-per-scan": (STEP, inputs, True, 2, 0),
-        "states-re-read": (STEP, inputs, True, 64, STATE_REREAD_TOKENS_MAX),
-        "one-scan": (STEP, inputs, False, 64, 0),
-        "own-prompts": (rows, tuple(x[own] for x in inputs), True, 64, 0),
-        "read-alone": (read_alone, tuple(x[read_tokens] for x in inputs), True, 64, 0),
-        "one-token-question": (ONE_TOKEN_FIRST, short_inputs, True, 64, 0),
+        # First, as vLLM's kernel warm-up: 0.33.0's method on fresh prompts.
+        "warm-up": (read_alone, tuple(x[read_tokens] for x in inputs), False, 64, 0, 0),
+        "gathered": (STEP, inputs, True, 64, 0, 0),
+        "views": (alone, alone_inputs, True, 64, 0, 0),
+        "two-per-scan": (STEP, inputs, True, 2, 0, 0),
+        "split": (STEP, inputs, True, 64, 0, SPLIT_SEQUENCES_MAX),
+        "split-views": (alone, alone_inputs, True, 64, 0, SPLIT_SEQUENCES_MAX),
+        "states-re-read": (STEP, inputs, True, 64, STATE_REREAD_TOKENS_MAX, 0),
+        "one-scan": (STEP, inputs, False, 64, 0, 0),
+        "own-prompts": (rows, tuple(x[own] for x in inputs), True, 64, 0, 0),
+        "read-alone": (
+            read_alone,
+            tuple(x[read_tokens] for x in inputs),
+            True,
+            64,
+            0,
+            0,
+        ),
+        "one-token-question": (
+            ONE_TOKEN_FIRST,
+            short_inputs,
+            True,
+            64,
+            0,
+            SPLIT_SEQUENCES_MAX,
+        ),
+        "long-split": (LONG, long_inputs, True, 64, 0, SPLIT_SEQUENCES_MAX),
+        "long-two-phases": (LONG, long_inputs, True, 64, 0, 0),
+        "long-own-prompts": (
+            long_rows,
+            tuple(x[long_own] for x in long_inputs),
+            True,
+            64,
+            0,
+            0,
+        ),
         "one-token-own-prompts": (
             short_rows,
             tuple(x[short_own] for x in short_inputs),
             True,
             64,
+            0,
             0,
         ),
     }
@@ -109,8 +152,9 @@ def runs(make_checkpoint, tmp_path_factory):
                 "restart": restart,
                 "questions_per_scan": per_scan,
                 "state_reread_tokens_max": reread,
+                "split_sequences_max": split,
             }
-            for step, case_inputs, restart, per_scan, reread in cases.values()
+            for step, case_inputs, restart, per_scan, reread, split in cases.values()
         ],
         folder / "cases.pt",
     )
@@ -130,7 +174,11 @@ def runs(make_checkpoint, tmp_path_factory):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     results = dict(zip(cases, torch.load(folder / "out.pt"), strict=True))
-    return results, {"own-prompts": tokens, "one-token-own-prompts": short_tokens}
+    return results, {
+        "own-prompts": tokens,
+        "one-token-own-prompts": short_tokens,
+        "long-own-prompts": long_tokens,
+    }
 
 
 def own_outputs(runs, case: str = "own-prompts"):
@@ -152,11 +200,20 @@ def max_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "case", ["gathered", "two-per-scan", "views", "states-re-read"]
+    ("case", "form"),
+    [
+        ("gathered", "two phases"),
+        ("two-per-scan", "two phases"),
+        ("views", "two phases"),
+        ("states-re-read", "one scan"),
+        ("split", "split recurrence"),
+        ("split-views", "split recurrence"),
+    ],
 )
-def test_packed_questions_equal_their_own_prompts_on_vllms_kernels(runs, case):
+def test_packed_questions_equal_their_own_prompts_on_vllms_kernels(runs, case, form):
+    assert runs[0][case]["form"] == form
     expected = own_outputs(runs)
-    if case == "views":
+    if case.endswith("views"):
         expected = expected[10:30]
     out = runs[0][case]["out"]
     assert not out.isnan().any()
@@ -164,11 +221,32 @@ def test_packed_questions_equal_their_own_prompts_on_vllms_kernels(runs, case):
     assert max_error(out, expected) < 2e-3
 
 
+@pytest.mark.parametrize(
+    ("case", "form"),
+    [("long-split", "split recurrence"), ("long-two-phases", "two phases")],
+)
+def test_blocks_of_several_chunks_equal_their_own_prompts(runs, case, form):
+    assert runs[0][case]["form"] == form
+    out = runs[0][case]["out"]
+    assert max_error(out, own_outputs(runs, "long-own-prompts")) < 2e-3
+
+
+def test_the_one_pass_autotunes_no_kernel_the_warm_up_did_not(runs):
+    # A configuration the one pass were the first to autotune would be tuned
+    # during the first packed request a server gets. "split" is the run's
+    # first case in one pass.
+    results, _ = runs
+    tuned = results["warm-up"]["tuned"]
+    assert any("chunk_gated_delta_rule_fwd" in key for key in tuned)
+    assert results["split"]["form"] == "split recurrence"
+    assert results["split"]["tuned"] == []
+
+
 def test_a_one_token_first_question_equals_its_own_prompt(runs):
-    # Two phases: the question block is one token after the state, which the
-    # builder runs through 0.33.0's decode kernel.
+    # Two phases, the split recurrence allowed: the question block is one token
+    # after the state, which the builder runs through 0.33.0's decode kernel.
     out = runs[0]["one-token-question"]["out"]
-    assert runs[0]["one-token-question"]["phase_a"]
+    assert runs[0]["one-token-question"]["form"] == "two phases"
     assert max_error(out, own_outputs(runs, "one-token-own-prompts")) < 2e-3
 
 
@@ -196,11 +274,11 @@ def test_the_packed_step_writes_only_its_rows_state_slots(runs, case):
         assert max_error(after[rows], expected[rows]) < 2e-3
 
 
-def test_a_step_that_re_reads_its_states_writes_no_slot(runs):
-    # Every sequence of the one scan runs on scratch slots: the caches are as
-    # they were, the rows' slots too (nothing reads a finished prompt's state).
-    result = runs[0]["states-re-read"]
-    assert not result["phase_a"]
-    assert runs[0]["gathered"]["phase_a"]
+@pytest.mark.parametrize("case", ["states-re-read", "split"])
+def test_a_step_on_scratch_slots_writes_no_slot(runs, case):
+    # Every sequence of the one scan, or of the split recurrence, runs on
+    # scratch slots: the caches are as they were, the rows' slots too (nothing
+    # reads a finished prompt's state).
+    result = runs[0][case]
     for cache in ("conv", "ssm"):
         assert torch.equal(result[f"{cache}_after"], result[f"{cache}_before"])

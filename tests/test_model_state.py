@@ -8,6 +8,7 @@ sequences (cu_seqlens, seqused_k, block-table rows) are what FlashAttention read
 """
 
 import inspect
+from functools import partial
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm_d3.model_executor.layers.mamba.gdn import (
     packed_questions,
     qwen_gdn_linear_attn,
+    split_recurrence,
 )
 from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     PackedRow,
@@ -36,6 +38,8 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     step_phases,
 )
 from vllm_d3.model_executor.models.d3 import D3ForSequenceClassification
+from vllm_d3.model_executor.models.d3_contract import StateBlock
+from vllm_d3.testing.gdn_forms import gdn_form
 from vllm_d3.testing.model_runner import (
     CPU,
     PACKED,
@@ -60,14 +64,16 @@ from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import (
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
-#: The rule as shipped; the tests below run packed steps in two phases unless
-#: they restore it.
+#: The rules as shipped; the tests below run packed steps in two phases unless
+#: they restore one.
 STATE_REREAD_TOKENS_MAX = packed_questions.STATE_REREAD_TOKENS_MAX
+SPLIT_SEQUENCES_MAX = split_recurrence.SPLIT_SEQUENCES_MAX
 
 
 @pytest.fixture(autouse=True)
 def two_phases(monkeypatch):
     monkeypatch.setattr(packed_questions, "STATE_REREAD_TOKENS_MAX", 0)
+    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", 0)
 
 
 def reread_small_steps(monkeypatch, tokens_max: int = STATE_REREAD_TOKENS_MAX):
@@ -384,6 +390,100 @@ def test_a_step_with_a_row_that_continues_keeps_two_phases(state, monkeypatch):
     assert fresh.phase_a is None
     assert continued.phase_a is not None
     assert continued.phase_a.seq_lens.tolist() == [16, 5]
+
+
+@pytest.mark.parametrize(
+    "reread_max", [0, STATE_REREAD_TOKENS_MAX], ids=["else-two-phases", "as-shipped"]
+)
+def test_a_packed_step_on_fla_runs_in_one_pass(state, monkeypatch, reread_max):
+    # Shipped, the step is small enough for one scan: the one pass goes first.
+    reread_small_steps(monkeypatch, reread_max)
+    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
+    model_state, _ = state
+    # The tiny checkpoint's layers prefill on FLA's rule, with a convolution
+    # of 4 taps: a window of 3 inputs.
+    assert model_state.split_window == 3
+    model_state.add_request(0, new_request("p", 20, PACKED))
+    model_state.add_request(1, new_request("a", 10, {"d3_state_tokens": 4}))
+    _, scan, _ = hybrid_metadata(state, ["a", "p"], [10, 20], [3, 5])
+    assert isinstance(scan, split_recurrence.SplitGDNAttentionMetadata)
+    # In batch order, each on its scratch slot: a whole, p's state (batch
+    # tokens 10-14), then p's questions (15-18, 19-21, 22-29) after it.
+    one_pass = scan.one_pass
+    assert one_pass.non_spec_query_start_loc.tolist() == [0, 10, 15, 19, 22, 30]
+    assert one_pass.non_spec_state_indices_tensor.tolist() == [1, 2, 3, 4, 5]
+    assert one_pass.has_initial_state.tolist() == [False, False, True, True, True]
+    # States to zero: the builder's own mask, on the step's device (a host
+    # mask would wait for the GPU every layer).
+    assert one_pass.prefill_has_initial_state is one_pass.has_initial_state
+    # The step's own fields stay the builder's: the rows on their slots.
+    assert scan.non_spec_state_indices_tensor.tolist() == [3, 5]
+    split = scan.split
+    assert split.questions.tolist() == [2, 3, 4]
+    assert split.question_slots.tolist() == [3, 4, 5]
+    assert split.sources.tolist() == [1, 1, 1]
+    # Each question's convolution window: the state's last 3 tokens.
+    assert split.window_tokens.tolist() == [12, 13, 14] * 3
+
+
+@pytest.mark.parametrize(
+    ("step", "sequences_max"),
+    [
+        # r's 6-token state and 4-token questions fit; p's too: 8 sequences.
+        (STEP, 7),
+        # A state shorter than the convolution's window.
+        ([("p", 8, {"d3_state_tokens": 2, "d3_question_ends": [5, 8]}, 5)], 64),
+        # A one-token question block (0.33.0's builder takes it for a decode).
+        ([("p", 8, {"d3_state_tokens": 5, "d3_question_ends": [6, 8]}, 5)], 64),
+    ],
+    ids=["too-many-sequences", "short-state", "one-token-question"],
+)
+def test_steps_the_one_pass_does_not_take_keep_two_phases(
+    state, monkeypatch, step, sequences_max
+):
+    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", sequences_max)
+    model_state, _ = state
+    for index, (req_id, n, extra, _) in enumerate(step):
+        model_state.add_request(index, new_request(req_id, n, extra))
+    order = [req_id for req_id, *_ in step]
+    lens = [n for _, n, _, _ in step]
+    _, scan, _ = hybrid_metadata(state, order, lens, [s for *_, s in step])
+    assert isinstance(scan, packed_questions.PackedGDNAttentionMetadata)
+    assert scan.phase_a is not None
+
+
+@pytest.mark.parametrize(
+    ("form", "expected"),
+    [
+        ("two phases", packed_questions.PackedGDNAttentionMetadata),
+        ("one pass", split_recurrence.SplitGDNAttentionMetadata),
+    ],
+)
+def test_a_form_is_chosen_per_call_and_the_rules_restored(
+    state, monkeypatch, form, expected
+):
+    # The one pass as shipped, the re-read rule at the fixture's 0: "one pass"
+    # sets the re-read rule only, "two phases" both.
+    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
+    model_state, _ = state
+    for index, (req_id, n, extra, _) in enumerate(STEP):
+        model_state.add_request(index, new_request(req_id, n, extra))
+    with gdn_form(form):
+        _, scan, _ = hybrid_metadata(state, ["a", "p", "r"], [10, 20, 14], [3, 5, 7])
+    assert type(scan) is expected
+    assert packed_questions.STATE_REREAD_TOKENS_MAX == 0
+    assert split_recurrence.SPLIT_SEQUENCES_MAX == SPLIT_SEQUENCES_MAX
+
+
+def test_the_one_pass_needs_fresh_rows(monkeypatch):
+    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
+    block = StateBlock(5, 20, (9, 12, 20))
+    packed = [PackedRow(1, 10, block)]
+    query_start_loc = np.array([0, 10, 30])
+    plan = partial(split_recurrence.split_recurrence, width=3, device=CPU)
+    assert plan(query_start_loc, np.array([10, 20]), packed) is not None
+    # a's 10 tokens after 6 computed ones.
+    assert plan(query_start_loc, np.array([16, 20]), packed) is None
 
 
 class ScanLayer:

@@ -1,12 +1,12 @@
 """GPU: a packed request through vLLM's engine, its Gated DeltaNet in either form.
 
 The tiny checkpoint is served by ``vllm.LLM`` in a process of its own (this file
-run as a script), its engine core in that process, so that
-``STATE_REREAD_TOKENS_MAX`` can be set per call: a small packed request in one
-scan of each question's own prompt (the rule as shipped) and in two phases (the
-rule at 0) must both give every question the logits of its own prompt
-``state || q``; the same tokens read as one question block (each question
-reading the ones before it) must not.
+run as a script), its engine core in that process, so that the form can be set
+per call (``gdn_forms``): a small packed request in one scan of each question's
+own prompt (as shipped), in two phases and in one pass (the split recurrence)
+must each give every question the logits of its own prompt ``state || q``; the
+same tokens read as one question block (each question reading the ones before
+it) must not.
 """
 
 import os
@@ -31,23 +31,21 @@ def classify_every_way(checkpoint: str) -> dict[str, torch.Tensor]:
     from vllm import LLM, PoolingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_d3.model_executor.layers.mamba.gdn import packed_questions
+    from vllm_d3.testing.gdn_forms import gdn_form
     from vllm_d3.testing.server import GDN_PREFILL_BACKEND
 
     llm = LLM(model=checkpoint, gdn_prefill_backend=GDN_PREFILL_BACKEND)
-    shipped = packed_questions.STATE_REREAD_TOKENS_MAX
 
-    def classify(prompts, reread_tokens_max: int = shipped) -> torch.Tensor:
-        packed_questions.STATE_REREAD_TOKENS_MAX = reread_tokens_max
-        outputs = llm.classify(
-            [TokensPrompt(prompt_token_ids=ids) for ids, _ in prompts],
-            pooling_params=[
-                PoolingParams(task="classify", use_activation=False, extra_kwargs=x)
-                for _, x in prompts
-            ],
-            use_tqdm=False,
-        )
-        packed_questions.STATE_REREAD_TOKENS_MAX = shipped
+    def classify(prompts, form: str = "as served") -> torch.Tensor:
+        with gdn_form(form):
+            outputs = llm.classify(
+                [TokensPrompt(prompt_token_ids=ids) for ids, _ in prompts],
+                pooling_params=[
+                    PoolingParams(task="classify", use_activation=False, extra_kwargs=x)
+                    for _, x in prompts
+                ],
+                use_tqdm=False,
+            )
         return torch.cat([torch.as_tensor(o.outputs.probs).flatten() for o in outputs])
 
     rng = random.Random(0)
@@ -63,7 +61,8 @@ def classify_every_way(checkpoint: str) -> dict[str, torch.Tensor]:
             [(state + q, {"d3_state_tokens": STATE}) for q in questions]
         ),
         "one scan": classify(packed),
-        "two phases": classify(packed, reread_tokens_max=0),
+        "two phases": classify(packed, "two phases"),
+        "one pass": classify(packed, "one pass"),
         "one block": classify([(packed_ids, {"d3_state_tokens": STATE})]),
     }
 
@@ -86,7 +85,7 @@ def error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return ((out - expected).abs().max() / expected.abs().max()).item()
 
 
-@pytest.mark.parametrize("form", ["one scan", "two phases"])
+@pytest.mark.parametrize("form", ["one scan", "two phases", "one pass"])
 def test_each_form_answers_every_question_as_its_own_prompt(logits, form):
     assert error(logits[form], logits["own prompts"]) < TOLERANCE
 

@@ -143,7 +143,11 @@ that the state is computed once:
   as today, then every question block from a copy of its row's state after s
   tokens, the way chunked prefill continues a sequence; a small step, where
   that second pass would cost more host time than reading its states again
-  costs GPU time, instead runs as one scan of each question's own prompt;
+  costs GPU time, instead runs as one scan of each question's own prompt; on
+  the Triton/FLA prefill a step instead runs in one pass, every block a
+  sequence of its own, FLA's chunked rule with its recurrence across chunks
+  run twice, first to find where each state ends, then with each question
+  starting there (layers/mamba/gdn/split_recurrence.py);
 - the classify pooler reads a packed request out at the last token of each
   question block, the logits flat, question by question.
 
@@ -152,6 +156,7 @@ the per-question readout (models/d3_prefix_bidir.py); the other attention
 modes are unchanged.""",
     changes=(
         NewFile("model_executor/layers/mamba/gdn/packed_questions.py"),
+        NewFile("model_executor/layers/mamba/gdn/split_recurrence.py"),
         Diff("05-model-state.diff"),
         NewFile("model_executor/models/d3_prefix_bidir.py"),
         NewFile("v1/worker/gpu/model_states/d3_prefix_bidir.py"),

@@ -15,8 +15,9 @@ own, with ``ENVIRONMENT``:
     python -m vllm_d3.testing.gdn_kernels CHECKPOINT CASES OUT
 
 ``CASES`` is a ``torch.save`` of a list of ``Case`` dicts; ``OUT`` gets, for
-each, the layer's output, its state caches before and after the step and
-whether it ran a phase A (``run_case``).
+each, the layer's output, its state caches before and after the step, the
+form its Gated DeltaNet ran in and the kernel configurations it was the first
+case to autotune (``run_case``).
 Each case builds the model state of ``vllm serve CHECKPOINT`` on the CPU,
 schedules ``step`` (``(req_id, prompt_len, extra, slot)`` per row, whole
 prompts) through its ``prepare_attn``, and runs one Gated DeltaNet layer's
@@ -72,6 +73,7 @@ class Case(TypedDict):
     restart: bool
     questions_per_scan: int
     state_reread_tokens_max: int
+    split_sequences_max: int
 
 
 def use_interpreter() -> None:
@@ -138,16 +140,44 @@ def use_interpreter() -> None:
     interpreter._patch_lang = patch_lang_and_range
 
 
-def run_case(checkpoint: str, case: Case) -> dict[str, torch.Tensor | bool]:
+def autotuned() -> set[str]:
+    """Every kernel configuration Triton's autotuner has chosen in this
+    process, as ``"kernel: key"`` (the key: the autotuner's key arguments and
+    its arguments' dtypes)."""
+    import triton.language as tl
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    tuners = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm.") or vars(module).get("tl") is not tl:
+            continue
+        for member in list(vars(module).values()):
+            # Heuristics wrap the autotuner, which wraps the kernel.
+            while isinstance(member, Heuristics):
+                member = member.fn
+            if isinstance(member, Autotuner):
+                tuners[id(member)] = member
+    return {
+        f"{tuner.base_fn.__name__}: {key}"
+        for tuner in tuners.values()
+        for key in tuner.cache
+    }
+
+
+def run_case(checkpoint: str, case: Case) -> dict[str, Any]:
     """The layer's output over ``case`` (``out``), its caches before and after
-    it (``conv_before``, ``ssm_before``, ``conv_after``, ``ssm_after``) and
-    whether the step ran a phase A (``phase_a``)."""
+    it (``conv_before``, ``ssm_before``, ``conv_after``, ``ssm_after``), the
+    form the step ran in (``form``: ``FORMS``) and the kernel configurations
+    it autotuned that no earlier case had (``tuned``)."""
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
     )
 
-    from vllm_d3.model_executor.layers.mamba.gdn import packed_questions
+    from vllm_d3.model_executor.layers.mamba.gdn import (
+        packed_questions,
+        split_recurrence,
+    )
     from vllm_d3.testing.model_runner import (
         cpu_model_state,
         hybrid_metadata,
@@ -159,6 +189,7 @@ def run_case(checkpoint: str, case: Case) -> dict[str, torch.Tensor | bool]:
 
     packed_questions.QUESTIONS_PER_SCAN = case["questions_per_scan"]
     packed_questions.STATE_REREAD_TOKENS_MAX = case["state_reread_tokens_max"]
+    split_recurrence.SPLIT_SEQUENCES_MAX = case["split_sequences_max"]
     with cpu_model_state(D3PrefixBidirModelState, checkpoint) as state:
         model_state, config = state
         for index, (req_id, prompt_len, extra, _) in enumerate(case["step"]):
@@ -195,19 +226,39 @@ def run_case(checkpoint: str, case: Case) -> dict[str, torch.Tensor | bool]:
             if case["restart"]
             else types.MethodType(QwenGatedDeltaNetAttention._forward_core, layer)
         )
+        tuned_before = autotuned()
         with set_forward_context({gdn[0]: metadata}, config):
             core(mixed_qkv, b, a, out)
         conv_after, ssm_after = layer.kv_cache
         conv_before, ssm_before = before
         return {
-            # Whether the step had a phase A (not one scan, states re-read).
-            "phase_a": getattr(metadata, "phase_a", None) is not None,
+            "form": form_of(metadata),
+            "tuned": sorted(autotuned() - tuned_before),
             "out": out,
             "conv_before": conv_before,
             "ssm_before": ssm_before,
             "conv_after": conv_after,
             "ssm_after": ssm_after,
         }
+
+
+#: How a step's Gated DeltaNet ran, by the metadata its layers got.
+FORMS = ("split recurrence", "two phases", "one scan", "unpacked")
+
+
+def form_of(metadata: object) -> str:
+    from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
+        PackedGDNAttentionMetadata,
+    )
+    from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import (
+        SplitGDNAttentionMetadata,
+    )
+
+    if isinstance(metadata, SplitGDNAttentionMetadata):
+        return FORMS[0]
+    if isinstance(metadata, PackedGDNAttentionMetadata):
+        return FORMS[1] if metadata.phase_a is not None else FORMS[2]
+    return FORMS[3]
 
 
 def main(argv: list[str]) -> None:

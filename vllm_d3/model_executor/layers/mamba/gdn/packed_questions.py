@@ -12,9 +12,11 @@ state, ``QUESTIONS_PER_SCAN`` at a time, on scratch convolution states and
 ``RowStates`` (which reads each question's recurrent state from its row's slot
 and drops its final state, which nothing reads). A small step instead runs as
 one scan of each question's own prompt, its state read again
-(``STATE_REREAD_TOKENS_MAX``). ``_forward_core`` first calls
-``forward_packed_questions``, which runs the scans where the layer's metadata is
-a ``PackedGDNAttentionMetadata`` (its ties to 0.33.0: docs/upstream.md).
+(``STATE_REREAD_TOKENS_MAX``); on FLA's chunked rule a step that would run in
+two phases may run in one pass instead (``split_recurrence.py``).
+``_forward_core`` first calls ``forward_packed_questions``, which runs the scans
+where the layer's metadata is a ``PackedGDNAttentionMetadata`` (its ties to
+0.33.0: docs/upstream.md).
 """
 
 from collections.abc import Callable, Sequence
@@ -148,12 +150,14 @@ class PackedGDNAttentionMetadata(GDNAttentionMetadata):
     question_scans: tuple[BuiltQuestionScan, ...] = ()
 
 
-def _common(
+def common_metadata(
     query_lens: np.ndarray,
     seq_lens: np.ndarray,
     block_table: torch.Tensor,
     device: torch.device,
 ) -> CommonAttentionMetadata:
+    """A step of prefill rows of ``query_lens`` tokens ending at ``seq_lens``,
+    row ``r`` on the state slots of ``block_table[r]``."""
     query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
     query_start_loc_cpu = torch.from_numpy(query_start_loc)
@@ -209,7 +213,7 @@ def _scans(blocks: list[_Block], device: torch.device) -> tuple[QuestionScan, ..
                 rows=torch.as_tensor(
                     [block.row for block in scan], dtype=torch.int64, device=device
                 ),
-                metadata=_common(
+                metadata=common_metadata(
                     lens,
                     np.asarray([block.restart_from for block in scan]) + lens,
                     scratch_slots[: len(scan), None],
@@ -277,7 +281,7 @@ def step_phases(
     )
     return StepPhases(
         state_tokens=_phase_tokens(state_tokens, device),
-        phase_a=_common(
+        phase_a=common_metadata(
             lens_a,
             seq_lens - (query_lens - lens_a),
             torch.empty(0, 1, dtype=torch.int32, device=device),

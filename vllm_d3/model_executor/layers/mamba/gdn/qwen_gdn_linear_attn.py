@@ -24,6 +24,9 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
 from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     forward_packed_questions,
 )
+from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import (
+    forward_split_recurrence,
+)
 
 
 def restart_questions_from_state(layer: QwenGatedDeltaNetAttention) -> None:
@@ -37,7 +40,9 @@ def restart_questions_from_state(layer: QwenGatedDeltaNetAttention) -> None:
         a: torch.Tensor,
         core_attn_out: torch.Tensor,
     ) -> Any:
-        if forward_packed_questions(self, original, mixed_qkv, b, a, core_attn_out):
+        if forward_split_recurrence(
+            self, original, mixed_qkv, b, a, core_attn_out
+        ) or forward_packed_questions(self, original, mixed_qkv, b, a, core_attn_out):
             return None
         return original(mixed_qkv, b, a, core_attn_out)
 

@@ -12,8 +12,9 @@ builders (``get_mm_prefix_ranges``): per row the state range, then one range
 per question block. The state reads itself both ways, each question reads the
 state and itself both ways, and the state never sees a question; a packed row
 only the dense-piece backend runs. Gated DeltaNet groups stay causal; in a
-step with packed rows they get the two phases that restart every question from
-the state (``model_executor/layers/mamba/gdn``).
+step with packed rows they get the scans that restart every question from the
+state (``model_executor/layers/mamba/gdn``: one pass on FLA's chunked rule, two
+phases, or one scan of each question's own prompt).
 """
 
 from dataclasses import replace
@@ -21,8 +22,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    QwenGatedDeltaNetAttention,
+)
+from vllm.v1.attention.backends.gdn_attn import (
+    GDNAttentionMetadata,
+    GDNAttentionMetadataBuilder,
+)
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 from vllm.v1.worker.gpu.input_batch import InputBatch
@@ -30,9 +38,15 @@ from vllm.v1.worker.gpu.model_states.interface import ModelSpecificAttnMetadata
 from vllm.v1.worker.utils import AttentionGroup
 
 from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
+    GDNGroup,
     PackedRow,
     packed_gdn_metadata,
     step_phases,
+)
+from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import (
+    FLA_PREFILL_BACKEND,
+    split_gdn_metadata,
+    split_recurrence,
 )
 from vllm_d3.model_executor.models.d3_contract import (
     PrefixRanges,
@@ -48,9 +62,27 @@ WARMUP_REQUEST_PREFIX = "_warmup_"
 
 
 class D3PrefixBidirModelState(MambaHybridModelState):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        model: torch.nn.Module,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(vllm_config, model, *args, **kwargs)
         self.state_blocks: dict[str, StateBlock] = {}
+        # The convolution window of the Gated DeltaNet layers where all of them
+        # prefill on FLA's chunked rule (a packed step may then run in one
+        # pass, split_recurrence), else None.
+        layers = [
+            m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)
+        ]
+        self.split_window = (
+            layers[0].conv_kernel_size - 1
+            if layers
+            and all(m.gdn_prefill_backend == FLA_PREFILL_BACKEND for m in layers)
+            else None
+        )
 
     def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
         params = new_req_data.pooling_params
@@ -169,14 +201,8 @@ class D3PrefixBidirModelState(MambaHybridModelState):
         block_tables: tuple[torch.Tensor, ...],
         attn_groups: list[list[AttentionGroup]],
     ) -> None:
-        """Give every Gated DeltaNet layer the step's two packed phases."""
-        num_reqs = input_batch.num_reqs
-        phases = step_phases(
-            input_batch.query_start_loc_np[: num_reqs + 1],
-            np.asarray(input_batch.seq_lens_cpu_upper_bound[:num_reqs]),
-            packed,
-            input_batch.query_start_loc.device,
-        )
+        """Give every Gated DeltaNet layer the step's packed scans: one pass,
+        two phases, or one scan of each question's own prompt."""
         gdn_groups = []
         for group_id, groups in enumerate(attn_groups):
             for group in groups:
@@ -189,13 +215,34 @@ class D3PrefixBidirModelState(MambaHybridModelState):
                         f"not {type(builder).__name__}"
                     )
                 gdn_groups.append((group, builder, block_tables[group_id]))
-        packed_metadata = packed_gdn_metadata(
+        packed_metadata = self._packed_gdn_metadata(
+            input_batch,
+            packed,
             [
                 (attn_metadata[group.layer_names[0]], builder, block_table)
                 for group, builder, block_table in gdn_groups
             ],
-            phases,
         )
         for (group, _, _), metadata in zip(gdn_groups, packed_metadata, strict=True):
             for name in group.layer_names:
                 attn_metadata[name] = metadata
+
+    def _packed_gdn_metadata(
+        self, input_batch: InputBatch, packed: list[PackedRow], groups: list[GDNGroup]
+    ) -> list[GDNAttentionMetadata]:
+        """Each group's metadata of the step: its one pass where the layers run
+        FLA's rule and the step allows it, else ``step_phases``' scans (one
+        scan of each question's own prompt for a small step, else two
+        phases)."""
+        num_reqs = input_batch.num_reqs
+        query_start_loc = input_batch.query_start_loc_np[: num_reqs + 1]
+        seq_lens = np.asarray(input_batch.seq_lens_cpu_upper_bound[:num_reqs])
+        device = input_batch.query_start_loc.device
+        if self.split_window is not None:
+            split = split_recurrence(
+                query_start_loc, seq_lens, packed, self.split_window, device
+            )
+            if split is not None:
+                return list(split_gdn_metadata(groups, split))
+        phases = step_phases(query_start_loc, seq_lens, packed, device)
+        return list(packed_gdn_metadata(groups, phases))
