@@ -255,9 +255,10 @@ def two_pass_rule(
         chunk_offsets=chunk_offsets,
     )
     # FLA annotates two results; it returns (h, new values, final states). The
-    # new values are kept, unread, so that the kernel is the variant vLLM's
-    # warm-up has autotuned (without them, the first step would autotune it).
-    _, _, ends = recurrence(initial_state=initial_state)  # type: ignore[misc]
+    # new values are computed, and dropped with h at once, so that the kernel
+    # is the variant vLLM's warm-up has autotuned (without them, the first
+    # step would autotune it).
+    ends = recurrence(initial_state=initial_state)[2]  # type: ignore[misc]
     initial_state.index_copy_(
         0, split.questions, ends[split.sources].to(initial_state.dtype)
     )
