@@ -57,6 +57,7 @@ from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3DensePiecesMetadata,
     D3PrefixBidirAttentionBackend,
 )
+from vllm_d3.v1.worker.gpu.model_states import d3_prefix_bidir as model_states
 from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import (
     WARMUP_REQUEST_PREFIX,
     D3PrefixBidirModelState,
@@ -390,6 +391,24 @@ def test_a_step_with_a_row_that_continues_keeps_two_phases(state, monkeypatch):
     assert fresh.phase_a is None
     assert continued.phase_a is not None
     assert continued.phase_a.seq_lens.tolist() == [16, 5]
+
+
+def test_the_log_says_which_packed_forms_serve(state, monkeypatch):
+    logged: list[str] = []
+    monkeypatch.setattr(model_states.logger, "info", lambda m, *a: logged.append(m % a))
+    model_state, _ = state
+    layers = [
+        m
+        for m in model_state.model.modules()
+        if isinstance(m, QwenGatedDeltaNetAttention)
+    ]
+    assert model_states._one_pass_window(model_state.model) == 3
+    # One layer on another prefill takes the one pass off.
+    monkeypatch.setattr(layers[-1], "gdn_prefill_backend", "flashinfer")
+    assert model_states._one_pass_window(model_state.model) is None
+    assert "runs in one pass where the step allows it" in logged[0]
+    assert "runs in two phases" in logged[1]
+    assert "the one pass needs every layer on the triton prefill" in logged[1]
 
 
 @pytest.mark.parametrize(

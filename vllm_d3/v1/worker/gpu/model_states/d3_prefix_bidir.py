@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.logger import init_logger
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     QwenGatedDeltaNetAttention,
 )
@@ -56,9 +57,31 @@ from vllm_d3.model_executor.models.d3_contract import (
 )
 from vllm_d3.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 
+logger = init_logger(f"vllm.{__name__}")
+
 #: How vLLM 0.33.0 names the dummy requests of its kernel warm-up
 #: (``v1/worker/gpu/warmup.py``: ``req_ids = [f"_warmup_{i}_" ...]``).
 WARMUP_REQUEST_PREFIX = "_warmup_"
+
+
+def _one_pass_window(model: torch.nn.Module) -> int | None:
+    """The convolution window of ``model``'s Gated DeltaNet layers if all of
+    them prefill on FLA's chunked rule, else None; logs the packed forms."""
+    layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
+    if layers and all(m.gdn_prefill_backend == FLA_PREFILL_BACKEND for m in layers):
+        logger.info(
+            "D3 prefix_bidir: a packed step's Gated DeltaNet runs in one pass "
+            "where the step allows it, else in two phases (or one scan of each "
+            "question's own prompt, for a small step)"
+        )
+        return layers[0].conv_kernel_size - 1
+    logger.info(
+        "D3 prefix_bidir: a packed step's Gated DeltaNet runs in two phases (or "
+        "one scan of each question's own prompt, for a small step); the one "
+        "pass needs every layer on the %s prefill",
+        FLA_PREFILL_BACKEND,
+    )
+    return None
 
 
 class D3PrefixBidirModelState(MambaHybridModelState):
@@ -71,18 +94,8 @@ class D3PrefixBidirModelState(MambaHybridModelState):
     ) -> None:
         super().__init__(vllm_config, model, *args, **kwargs)
         self.state_blocks: dict[str, StateBlock] = {}
-        # The convolution window of the Gated DeltaNet layers where all of them
-        # prefill on FLA's chunked rule (a packed step may then run in one
-        # pass, split_recurrence), else None.
-        layers = [
-            m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)
-        ]
-        self.split_window = (
-            layers[0].conv_kernel_size - 1
-            if layers
-            and all(m.gdn_prefill_backend == FLA_PREFILL_BACKEND for m in layers)
-            else None
-        )
+        # Set where a packed step may run in one pass (split_recurrence).
+        self.split_window = _one_pass_window(model)
 
     def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
         params = new_req_data.pooling_params
