@@ -481,9 +481,9 @@ def test_steps_the_one_pass_does_not_take_keep_two_phases(
 def test_a_form_is_chosen_per_call_and_the_rules_restored(
     state, monkeypatch, form, expected
 ):
-    # The one pass as shipped, the re-read rule at the fixture's 0: "one pass"
-    # sets the re-read rule only, "two phases" both.
-    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
+    # The re-read rule at the fixture's 0, the one pass bounded below STEP's 8
+    # sequences: "one pass" lifts the bound, "two phases" sets it to 0.
+    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", 7)
     model_state, _ = state
     for index, (req_id, n, extra, _) in enumerate(STEP):
         model_state.add_request(index, new_request(req_id, n, extra))
@@ -491,7 +491,7 @@ def test_a_form_is_chosen_per_call_and_the_rules_restored(
         _, scan, _ = hybrid_metadata(state, ["a", "p", "r"], [10, 20, 14], [3, 5, 7])
     assert type(scan) is expected
     assert packed_questions.STATE_REREAD_TOKENS_MAX == 0
-    assert split_recurrence.SPLIT_SEQUENCES_MAX == SPLIT_SEQUENCES_MAX
+    assert split_recurrence.SPLIT_SEQUENCES_MAX == 7
 
 
 def test_the_one_pass_needs_fresh_rows(monkeypatch):
