@@ -22,7 +22,7 @@ where the layer's metadata is a ``PackedGDNAttentionMetadata`` (its ties to
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -388,7 +388,7 @@ def _scan(
 
 
 def _question_states(
-    cache: tuple[torch.Tensor, torch.Tensor], question_scan: BuiltQuestionScan
+    cache: tuple[torch.Tensor, ...], question_scan: BuiltQuestionScan
 ) -> tuple[torch.Tensor, torch.Tensor | RowStates]:
     """The layer's cache as ``question_scan`` binds it. Each block starts from
     its row's state (after s tokens in phase B; none where it re-reads the
@@ -406,6 +406,21 @@ def _question_states(
     return conv_states.index_select(0, sources), RowStates(recurrent_states, sources)
 
 
+_Metadata = TypeVar("_Metadata", bound=GDNAttentionMetadata)
+
+
+def layer_step_metadata(
+    layer: "QwenGatedDeltaNetAttention", kind: type[_Metadata]
+) -> tuple[dict[str, Any], _Metadata] | None:
+    """The forward context's metadata of every layer and ``layer``'s own, if
+    that is a ``kind``; else None (not a step of that form)."""
+    all_metadata = get_forward_context().attn_metadata
+    if not isinstance(all_metadata, dict):
+        return None
+    metadata = all_metadata.get(layer.prefix)
+    return (all_metadata, metadata) if isinstance(metadata, kind) else None
+
+
 def forward_packed_questions(
     layer: "QwenGatedDeltaNetAttention",
     forward_core: Callable[..., Any],
@@ -416,13 +431,10 @@ def forward_packed_questions(
 ) -> bool:
     """Run ``layer``'s step as its scans through ``forward_core`` if the step
     holds packed rows; returns whether it did."""
-    all_metadata = get_forward_context().attn_metadata
-    metadata = (
-        all_metadata.get(layer.prefix) if isinstance(all_metadata, dict) else None
-    )
-    if not isinstance(metadata, PackedGDNAttentionMetadata):
+    found = layer_step_metadata(layer, PackedGDNAttentionMetadata)
+    if found is None:
         return False
-    assert isinstance(all_metadata, dict)
+    all_metadata, metadata = found
     inputs = (mixed_qkv, b, a)
     cache = layer.kv_cache
     try:
@@ -431,7 +443,8 @@ def forward_packed_questions(
             all_metadata[layer.prefix] = metadata.phase_a
             _scan(forward_core, inputs, core_attn_out, metadata.state_tokens)
         for question_scan in metadata.question_scans:
-            layer.kv_cache = _question_states(cache, question_scan)
+            # RowStates stands in for a tensor where the core only indexes it.
+            layer.kv_cache = _question_states(cache, question_scan)  # type: ignore[assignment]
             all_metadata[layer.prefix] = question_scan.metadata
             _scan(
                 forward_core,

@@ -15,7 +15,7 @@ their one-scan form, writes no state slot: nothing reads the final states of a
 prompt that ran whole (prefix caching is refused for prefix_bidir).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
 from itertools import pairwise
@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.third_party.flash_linear_attention.ops.chunk_delta_h import (
     chunk_gated_delta_rule_fwd_h,
@@ -44,6 +43,7 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     GDNGroup,
     PackedRow,
     common_metadata,
+    layer_step_metadata,
 )
 
 if TYPE_CHECKING:
@@ -279,7 +279,7 @@ def two_pass_rule(
 
 def forward_split_recurrence(
     layer: "QwenGatedDeltaNetAttention",
-    forward_core: Any,
+    forward_core: Callable[..., Any],
     mixed_qkv: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
@@ -287,18 +287,16 @@ def forward_split_recurrence(
 ) -> bool:
     """Run ``layer``'s step in one pass through ``forward_core`` if the step
     has a split recurrence; returns whether it did."""
-    all_metadata = get_forward_context().attn_metadata
-    metadata = (
-        all_metadata.get(layer.prefix) if isinstance(all_metadata, dict) else None
-    )
-    if not isinstance(metadata, SplitGDNAttentionMetadata):
+    found = layer_step_metadata(layer, SplitGDNAttentionMetadata)
+    if found is None:
         return False
-    assert isinstance(all_metadata, dict)
+    all_metadata, metadata = found
     assert metadata.split is not None and metadata.one_pass is not None
     conv_cache, recurrent_cache = layer.kv_cache
     rule = layer.chunk_gated_delta_rule
     own_rule = rule._forward_method
-    layer.kv_cache = (
+    # FreshStates stands in for a tensor where the core only indexes it.
+    layer.kv_cache = (  # type: ignore[assignment]
         _seeded_windows(conv_cache, mixed_qkv, metadata.split),
         FreshStates(recurrent_cache),
     )
