@@ -51,6 +51,7 @@ from vllm_d3.testing.model_runner import (
     hybrid_groups,
     hybrid_metadata,
     new_request,
+    step_metadata,
     vllm_config_for,
 )
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
@@ -302,10 +303,7 @@ def test_a_packed_row_becomes_state_once_pieces_and_gdn_phases(state):
 
 def test_phase_b_scans_a_bounded_number_of_questions_at_a_time(state, monkeypatch):
     monkeypatch.setattr(packed_questions, "QUESTIONS_PER_SCAN", 2)
-    model_state, _ = state
-    for index, (req_id, n, extra, _) in enumerate(STEP):
-        model_state.add_request(index, new_request(req_id, n, extra))
-    _, scan, _ = hybrid_metadata(state, ["a", "p", "r"], [10, 20, 14], [3, 5, 7])
+    _, scan, _ = step_metadata(state)
     # p's questions at batch tokens 15-19, 19-22, 22-30 (row slot 5); r's at
     # 36-40, 40-44 (slot 7): two at a time, the second scan across both rows.
     first, second, third = scan.question_scans
@@ -371,10 +369,7 @@ def test_the_step_re_reads_its_states_within_both_bounds(
     # tokens) in six blocks: a's prompt, p's three questions, r's two.
     reread_small_steps(monkeypatch, tokens_max)
     monkeypatch.setattr(packed_questions, "QUESTIONS_PER_SCAN", per_scan)
-    model_state, _ = state
-    for index, (req_id, n, extra, _) in enumerate(STEP):
-        model_state.add_request(index, new_request(req_id, n, extra))
-    _, scan, _ = hybrid_metadata(state, ["a", "p", "r"], [10, 20, 14], [3, 5, 7])
+    _, scan, _ = step_metadata(state)
     assert (scan.phase_a is None) == one_scan
 
 
@@ -461,12 +456,7 @@ def test_steps_the_one_pass_does_not_take_keep_two_phases(
     state, monkeypatch, step, sequences_max
 ):
     monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", sequences_max)
-    model_state, _ = state
-    for index, (req_id, n, extra, _) in enumerate(step):
-        model_state.add_request(index, new_request(req_id, n, extra))
-    order = [req_id for req_id, *_ in step]
-    lens = [n for _, n, _, _ in step]
-    _, scan, _ = hybrid_metadata(state, order, lens, [s for *_, s in step])
+    _, scan, _ = step_metadata(state, step)
     assert isinstance(scan, packed_questions.PackedGDNAttentionMetadata)
     assert scan.phase_a is not None
 
@@ -484,11 +474,8 @@ def test_a_form_is_chosen_per_call_and_the_rules_restored(
     # The re-read rule at the fixture's 0, the one pass bounded below STEP's 8
     # sequences: "one pass" lifts the bound, "two phases" sets it to 0.
     monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", 7)
-    model_state, _ = state
-    for index, (req_id, n, extra, _) in enumerate(STEP):
-        model_state.add_request(index, new_request(req_id, n, extra))
     with gdn_form(form):
-        _, scan, _ = hybrid_metadata(state, ["a", "p", "r"], [10, 20, 14], [3, 5, 7])
+        _, scan, _ = step_metadata(state)
     assert type(scan) is expected
     assert packed_questions.STATE_REREAD_TOKENS_MAX == 0
     assert split_recurrence.SPLIT_SEQUENCES_MAX == 7
@@ -555,12 +542,8 @@ def scan_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and outputs of one GDN-like layer over ``step`` (``wrap``, if
     given, is applied to the layer first)."""
-    model_state, config = state
-    for index, (req_id, n, extra, _) in enumerate(step):
-        model_state.add_request(index, new_request(req_id, n, extra))
-    order = [req_id for req_id, *_ in step]
-    lens = [n for _, n, _, _ in step]
-    _, scan, gdn = hybrid_metadata(state, order, lens, [s for *_, s in step])
+    _, config = state
+    _, scan, gdn = step_metadata(state, step)
     if scan.phase_a is not None:
         views = step is ALONE
         assert isinstance(scan.state_tokens, slice) == views
@@ -569,7 +552,8 @@ def scan_step(
     layer = ScanLayer(gdn[0], slots=8, restart=restart)
     if wrap is not None:
         wrap(layer)
-    x = torch.randn(sum(lens), 1, generator=torch.Generator().manual_seed(0))
+    tokens = sum(n for _, n, _, _ in step)
+    x = torch.randn(tokens, 1, generator=torch.Generator().manual_seed(0))
     out = torch.zeros_like(x)
     cache = layer.kv_cache
     with set_forward_context({gdn[0]: scan}, config):

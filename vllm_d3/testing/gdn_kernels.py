@@ -180,8 +180,7 @@ def run_case(checkpoint: str, case: Case) -> dict[str, Any]:
     )
     from vllm_d3.testing.model_runner import (
         cpu_model_state,
-        hybrid_metadata,
-        new_request,
+        step_metadata,
     )
     from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import (
         D3PrefixBidirModelState,
@@ -191,15 +190,8 @@ def run_case(checkpoint: str, case: Case) -> dict[str, Any]:
     packed_questions.STATE_REREAD_TOKENS_MAX = case["state_reread_tokens_max"]
     split_recurrence.SPLIT_SEQUENCES_MAX = case["split_sequences_max"]
     with cpu_model_state(D3PrefixBidirModelState, checkpoint) as state:
-        model_state, config = state
-        for index, (req_id, prompt_len, extra, _) in enumerate(case["step"]):
-            model_state.add_request(index, new_request(req_id, prompt_len, extra))
-        _, metadata, gdn = hybrid_metadata(
-            state,
-            [req_id for req_id, *_ in case["step"]],
-            [prompt_len for _, prompt_len, _, _ in case["step"]],
-            [slot for *_, slot in case["step"]],
-        )
+        _, config = state
+        _, metadata, gdn = step_metadata(state, case["step"])
         layer = config.compilation_config.static_forward_context[gdn[0]]
         assert isinstance(layer, QwenGatedDeltaNetAttention)
         generator = torch.Generator().manual_seed(PARAMETER_SEED)

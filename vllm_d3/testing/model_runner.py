@@ -24,7 +24,9 @@ attention metadata builders.
   prompt_lens, slots)``: the model's two KV-cache groups (full attention on the
   D3 composite, Gated DeltaNet on vLLM's GDN backend) and the state's
   ``prepare_attn`` over a step on them; returns a full-attention layer's
-  metadata, a GDN layer's, and the GDN layer names;
+  metadata, a GDN layer's, and the GDN layer names; ``step_metadata(
+  state_and_config, step)`` adds ``step``'s rows (``STEP``'s form) to the
+  state first;
 - ``dense_pieces_mask(metadata)``: the (query, key) token pairs of a step that
   the dense-piece attention metadata lets attend, rebuilt from its two passes
   (each query's two key sets must not overlap: their results are merged).
@@ -302,6 +304,21 @@ def hybrid_metadata(state, order, prompt_lens, slots, for_capture=False):
             for_capture=for_capture,
         )
     return metadata[attention[0]], metadata[gdn[0]], gdn
+
+
+def step_metadata(state, step=STEP):
+    """``hybrid_metadata`` over ``step``: each row ``(request, prompt length,
+    extra, state slot)`` added to the model state as a new request, then
+    scheduled whole, in order."""
+    model_state, _ = state
+    for index, (req_id, prompt_len, extra, _) in enumerate(step):
+        model_state.add_request(index, new_request(req_id, prompt_len, extra))
+    return hybrid_metadata(
+        state,
+        [req_id for req_id, *_ in step],
+        [prompt_len for _, prompt_len, _, _ in step],
+        [slot for *_, slot in step],
+    )
 
 
 def dense_pieces_mask(metadata: D3DensePiecesMetadata) -> torch.Tensor:
