@@ -692,8 +692,8 @@ def test_packed_step_sends_the_same_questions_three_ways(tmp_path):
     assert packed_step.prompts("one block", state, questions) == [
         (packed, {"d3_state_tokens": 3})
     ]
-    # The two-phase and one-scan ways send the packed request itself (only the
-    # rule differs).
+    # The ways of each Gated DeltaNet form send the packed request itself (only
+    # the rules differ).
     for way in ("packed, two phases", "packed, one scan", "packed, one pass"):
         assert packed_step.prompts(way, state, questions) == [(packed, extra)]
     # Copies: one request each, with its own state and questions.

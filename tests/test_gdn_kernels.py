@@ -206,8 +206,8 @@ def max_error(out: torch.Tensor, expected: torch.Tensor) -> float:
         ("two-per-scan", "two phases"),
         ("views", "two phases"),
         ("states-re-read", "one scan"),
-        ("split", "split recurrence"),
-        ("split-views", "split recurrence"),
+        ("split", "one pass"),
+        ("split-views", "one pass"),
     ],
 )
 def test_packed_questions_equal_their_own_prompts_on_vllms_kernels(runs, case, form):
@@ -223,7 +223,7 @@ def test_packed_questions_equal_their_own_prompts_on_vllms_kernels(runs, case, f
 
 @pytest.mark.parametrize(
     ("case", "form"),
-    [("long-split", "split recurrence"), ("long-two-phases", "two phases")],
+    [("long-split", "one pass"), ("long-two-phases", "two phases")],
 )
 def test_blocks_of_several_chunks_equal_their_own_prompts(runs, case, form):
     assert runs[0][case]["form"] == form
@@ -238,7 +238,7 @@ def test_the_one_pass_autotunes_no_kernel_the_warm_up_did_not(runs):
     results, _ = runs
     tuned = results["warm-up"]["tuned"]
     assert any("chunk_gated_delta_rule_fwd" in key for key in tuned)
-    assert results["split"]["form"] == "split recurrence"
+    assert results["split"]["form"] == "one pass"
     assert results["split"]["tuned"] == []
 
 

@@ -235,7 +235,7 @@ def run_case(checkpoint: str, case: Case) -> dict[str, Any]:
 
 
 #: How a step's Gated DeltaNet ran, by the metadata its layers got.
-FORMS = ("split recurrence", "two phases", "one scan", "unpacked")
+FORMS = ("one pass", "two phases", "one scan", "unpacked")
 
 
 def form_of(metadata: object) -> str:
