@@ -35,6 +35,13 @@ LONG = [
     ("a", 70, {"d3_state_tokens": 70}, 3),
     ("p", 300, {"d3_state_tokens": 150, "d3_question_ends": [220, 300]}, 5),
 ]
+#: Where each row of ``STEP``'s tokens start in the step.
+STEP_STARTS = [0, 10, 30]
+#: Align mode's prefill checkpoints in ``STEP`` (row: offset into its query,
+#: slot): inside a's prompt, inside p's state, and among r's questions.
+CHECKPOINTS = {0: (7, 10), 1: (3, 11), 2: (8, 12)}
+#: Those the plugin writes: r's is past its state, where no hit reads it.
+WRITTEN = {row: CHECKPOINTS[row] for row in (0, 1)}
 #: A packed request whose first question block is one token.
 ONE_TOKEN_FIRST = [("q", 12, {"d3_state_tokens": 5, "d3_question_ends": [6, 12]}, 3)]
 
@@ -95,6 +102,19 @@ def runs(make_checkpoint, tmp_path_factory):
     long_inputs = draw_inputs(sum(n for _, n, _, _ in LONG), generator)
     long_rows, long_tokens = own_prompts(LONG, first_slot=8)
     long_own = torch.tensor([t for row in long_tokens for t in row])
+    # Each row's tokens up to its checkpoint as a prompt of its own, on the
+    # checkpoint's slot.
+    to_checkpoints = [
+        (f"{STEP[row][0]}-{offset}", offset, {"d3_state_tokens": offset}, slot)
+        for row, (offset, slot) in sorted(WRITTEN.items())
+    ]
+    to_checkpoint_tokens = torch.tensor(
+        [
+            t
+            for row, (offset, _) in sorted(WRITTEN.items())
+            for t in range(STEP_STARTS[row], STEP_STARTS[row] + offset)
+        ]
+    )
     # (step, inputs, the plugin's core, questions per scan, states re-read,
     # sequences of a split recurrence)
     cases = {
@@ -142,6 +162,31 @@ def runs(make_checkpoint, tmp_path_factory):
             0,
             0,
         ),
+        "checkpoints": (
+            STEP,
+            inputs,
+            True,
+            64,
+            STATE_REREAD_TOKENS_MAX,
+            SPLIT_SEQUENCES_MAX,
+        ),
+        "checkpoints-unpacked": (
+            read_alone,
+            tuple(x[read_tokens] for x in inputs),
+            True,
+            64,
+            0,
+            SPLIT_SEQUENCES_MAX,
+        ),
+        "checkpoints-by-vllm": (STEP, inputs, False, 64, 0, 0),
+        "to-checkpoints": (
+            to_checkpoints,
+            tuple(x[to_checkpoint_tokens] for x in inputs),
+            False,
+            64,
+            0,
+            0,
+        ),
     }
     folder = tmp_path_factory.mktemp("gdn-kernels")
     torch.save(
@@ -153,8 +198,11 @@ def runs(make_checkpoint, tmp_path_factory):
                 "questions_per_scan": per_scan,
                 "state_reread_tokens_max": reread,
                 "split_sequences_max": split,
+                "checkpoints": CHECKPOINTS if name.startswith("checkpoints") else {},
             }
-            for step, case_inputs, restart, per_scan, reread, split in cases.values()
+            for name, (step, case_inputs, restart, per_scan, reread, split) in (
+                cases.items()
+            )
         ],
         folder / "cases.pt",
     )
@@ -282,3 +330,43 @@ def test_a_step_on_scratch_slots_writes_no_slot(runs, case):
     result = runs[0][case]
     for cache in ("conv", "ssm"):
         assert torch.equal(result[f"{cache}_after"], result[f"{cache}_before"])
+
+
+@pytest.mark.parametrize(
+    ("case", "form"),
+    [("checkpoints", "two phases"), ("checkpoints-unpacked", "two phases")],
+)
+def test_checkpoints_inside_the_states_hold_their_prefixes_states(runs, case, form):
+    # In a packed step (where the one pass and the one scan were allowed) and
+    # in a step of plain rows, each checkpoint slot gets the state of the
+    # row's tokens up to the checkpoint; the outputs and the rows' own slots
+    # are those of the step without checkpoints.
+    results, _ = runs
+    result = results[case]
+    assert result["form"] == form
+    plain = "read-alone" if case.endswith("unpacked") else "gathered"
+    assert max_error(result["out"], results[plain]["out"]) < 2e-3
+    written = [slot for _, slot in WRITTEN.values()]
+    rows = [slot for *_, slot in STEP]
+    unread = [slot for slot in range(CACHE_SLOTS) if slot not in written + rows]
+    for cache in ("conv", "ssm"):
+        before, after = result[f"{cache}_before"], result[f"{cache}_after"]
+        expected = results["to-checkpoints"][f"{cache}_after"]
+        assert max_error(after[written], expected[written]) < 2e-3
+        assert max_error(after[rows], results[plain][f"{cache}_after"][rows]) < 2e-3
+        # r's checkpoint, among its questions, is not written.
+        assert torch.equal(after[unread], before[unread])
+
+
+def test_vllms_triton_prefill_leaves_the_checkpoint_slots_unwritten(runs):
+    # The control: 0.33.0's core writes checkpoints only on FlashInfer's
+    # prefill, so on the Triton prefill the slots keep what they held, which is
+    # clearly not the prefixes' states.
+    results, _ = runs
+    result = results["checkpoints-by-vllm"]
+    written = [slot for _, slot in WRITTEN.values()]
+    for cache in ("conv", "ssm"):
+        after = result[f"{cache}_after"][written]
+        assert torch.equal(after, result[f"{cache}_before"][written])
+        expected = results["to-checkpoints"][f"{cache}_after"][written]
+        assert max_error(after, expected) > 0.1

@@ -32,9 +32,11 @@ from vllm_d3.model_executor.layers.mamba.gdn import (
     split_recurrence,
 )
 from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
+    PackedGDNAttentionMetadata,
     PackedRow,
     forward_packed_questions,
     packed_gdn_metadata,
+    phase_a_checkpoints,
     step_phases,
 )
 from vllm_d3.model_executor.models.d3 import D3ForSequenceClassification
@@ -698,3 +700,74 @@ def test_each_gdn_group_restarts_from_its_own_slots(state):
     assert first_scan.scratch_sources.tolist() == [0, 5, 5, 5]
     assert second_scan.scratch_sources.tolist() == [0, 2, 2, 2]
     assert first_scan.metadata is second_scan.metadata
+
+
+def step_packed_rows(model_state):
+    """``STEP``'s packed rows, once its requests are added."""
+    return [
+        PackedRow(row, start, model_state.state_blocks[req_id])
+        for row, (req_id, start) in enumerate([("a", 0), ("p", 10), ("r", 30)])
+        if model_state.state_blocks[req_id].packed
+    ]
+
+
+def test_only_checkpoints_inside_what_phase_a_scans_are_written(state):
+    # STEP: a plain 10-token row, then p (state 5 of 20) and r (state 6 of 14).
+    model_state, _ = state
+    step_metadata(state)
+    query_start_loc = np.array([0, 10, 30, 44])
+    packed = step_packed_rows(model_state)
+    assert phase_a_checkpoints(query_start_loc, packed, [7, 3, 8]) == [(0, 7), (1, 3)]
+    # At a plain row's end (its final state, which phase A writes), at a state's
+    # end and among the questions (never read: hits stay inside the state).
+    assert phase_a_checkpoints(query_start_loc, packed, [10, 5, 6]) == []
+    assert phase_a_checkpoints(query_start_loc, packed, [0, 0, 0]) == []
+
+
+def test_phase_a_first_scans_the_rows_up_to_their_checkpoints(state, monkeypatch):
+    # Even where the step would run as one scan of each question's own prompt.
+    reread_small_steps(monkeypatch)
+    model_state, _ = state
+    step_metadata(state)
+    query_start_loc = np.array([0, 10, 30, 44])
+    seq_lens = np.array([10, 20, 14])
+    packed = step_packed_rows(model_state)
+    phases = step_phases(query_start_loc, seq_lens, packed, CPU, [(0, 7), (1, 3)])
+    scan = phases.to_checkpoints
+    assert scan is not None and phases.phase_a is not None
+    assert scan.rows.tolist() == [0, 1]
+    assert np.arange(44)[scan.tokens].tolist() == [*range(7), 10, 11, 12]
+    assert scan.metadata.query_start_loc_cpu.tolist() == [0, 7, 10]
+    assert scan.metadata.seq_lens_cpu_upper_bound.tolist() == [7, 3]
+    # Phase A then continues a from 7 and p from 3; r's state is read whole.
+    assert np.arange(44)[phases.state_tokens].tolist() == [
+        7,
+        8,
+        9,
+        13,
+        14,
+        *range(30, 36),
+    ]
+    assert phases.phase_a.query_start_loc_cpu.tolist() == [0, 3, 5, 11]
+    assert phases.phase_a.seq_lens_cpu_upper_bound.tolist() == [10, 5, 6]
+    assert len(phases.question_scans) == 1
+
+
+def test_a_step_with_checkpoints_gets_its_scans_without_packed_rows(state, monkeypatch):
+    # vLLM's checkpoint metadata (align mode's) names row 0's checkpoint, 7
+    # tokens in, on slot 10. A step of plain rows then runs its Gated DeltaNet
+    # in two phases that write it, even where the one pass is allowed; with no
+    # checkpoint it keeps vLLM's own metadata.
+    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
+    plain = [("a", 10, {"d3_state_tokens": 4}, 3), ("b", 6, {"d3_state_tokens": 5}, 5)]
+    model_state, _ = state
+    _, unchanged, _ = step_metadata(state, plain)
+    assert type(unchanged) is not PackedGDNAttentionMetadata
+    _, scans, _ = step_metadata(state, plain, checkpoints={0: (7, 10)})
+    assert isinstance(scans, PackedGDNAttentionMetadata)
+    assert scans.to_checkpoints is not None
+    assert scans.to_checkpoints.sources.tolist() == [0, 3]
+    # The checkpoint's slot, then the row's own.
+    assert scans.to_checkpoints.destinations.tolist() == [10, 3]
+    assert scans.phase_a is not None and scans.question_scans == ()
+    assert scans.phase_a.non_spec_query_start_loc.tolist() == [0, 3, 9]

@@ -192,6 +192,22 @@ def test_no_hit_reaches_past_the_state(cache: Cache):
     assert cache.hit(request, limited=False) == 48
 
 
+def test_no_hit_reaches_a_states_end():
+    # A 48-token state ends on a block boundary. A packed prompt's checkpoint
+    # can sit there (vLLM's rule: the prompt's last whole block), and the
+    # plugin's phases write only checkpoints strictly inside a state, so a hit
+    # stays strictly inside it: here at 32, the block before.
+    cache = Cache()
+    state = STATE + list(range(1040, 1048))
+    first = cache.request(state, QUESTIONS, image=None)
+    cache.compute(first, [32, 48, first.num_tokens])
+    again = cache.request(state, list(range(4000, 4010)), image=None)
+    assert cache.hit(again) == 32
+    # Control: a limit at the state's end takes the block that ends there.
+    _, hit, _ = cache.manager.get_computed_blocks(again, len(state))
+    assert hit == 48
+
+
 @pytest.mark.parametrize(("checkpoint", "identical_hit"), [(False, 0), (True, 48)])
 def test_one_step_caches_no_state_inside_the_state_today(
     checkpoint: bool, identical_hit: int
@@ -221,7 +237,7 @@ def test_the_key_covers_exactly_the_state_and_its_media():
 
 @pytest.mark.parametrize(
     ("state_tokens", "num_tokens", "limit"),
-    [(40, 62, 40), (15, 30, 15), (48, 49, 48), (48, 48, 47)],
+    [(40, 62, 39), (15, 30, 14), (48, 49, 47), (48, 48, 47), (1, 2, 0)],
 )
 def test_the_hit_limit(state_tokens: int, num_tokens: int, limit: int):
     assert state_hit_limit(state_tokens, num_tokens) == limit

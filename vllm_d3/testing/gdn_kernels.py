@@ -20,7 +20,8 @@ form its Gated DeltaNet ran in and the kernel configurations it was the first
 case to autotune (``run_case``).
 Each case builds the model state of ``vllm serve CHECKPOINT`` on the CPU,
 schedules ``step`` (``(req_id, prompt_len, extra, slot)`` per row, whole
-prompts) through its ``prepare_attn``, and runs one Gated DeltaNet layer's
+prompts; ``checkpoints``, if given, as ``model_runner.GivenCheckpoints``
+places them) through its ``prepare_attn``, and runs one Gated DeltaNet layer's
 ``_forward_core`` on ``inputs`` (``mixed_qkv``, ``b``, ``a``). The layer's
 parameters and its state caches (which a fresh prefill must not read) are drawn
 from fixed seeds, the same in every case. ``restart=False`` calls 0.33.0's
@@ -49,7 +50,7 @@ import os
 import sys
 import types
 from collections.abc import Iterator
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
@@ -74,6 +75,7 @@ class Case(TypedDict):
     questions_per_scan: int
     state_reread_tokens_max: int
     split_sequences_max: int
+    checkpoints: NotRequired[dict[int, tuple[int, int]]]
 
 
 def use_interpreter() -> None:
@@ -191,7 +193,9 @@ def run_case(checkpoint: str, case: Case) -> dict[str, Any]:
     split_recurrence.SPLIT_SEQUENCES_MAX = case["split_sequences_max"]
     with cpu_model_state(D3PrefixBidirModelState, checkpoint) as state:
         _, config = state
-        _, metadata, gdn = step_metadata(state, case["step"])
+        _, metadata, gdn = step_metadata(
+            state, case["step"], checkpoints=case.get("checkpoints")
+        )
         layer = config.compilation_config.static_forward_context[gdn[0]]
         assert isinstance(layer, QwenGatedDeltaNetAttention)
         generator = torch.Generator().manual_seed(PARAMETER_SEED)

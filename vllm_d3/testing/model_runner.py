@@ -26,7 +26,8 @@ attention metadata builders.
   ``prepare_attn`` over a step on them; returns a full-attention layer's
   metadata, a GDN layer's, and the GDN layer names; ``step_metadata(
   state_and_config, step)`` adds ``step``'s rows (``STEP``'s form) to the
-  state first;
+  state first; both take align mode's prefill checkpoints as given
+  (``GivenCheckpoints``);
 - ``dense_pieces_mask(metadata)``: the (query, key) token pairs of a step that
   the dense-piece attention metadata lets attend, rebuilt from its two passes
   (each query's two key sets must not overlap: their results are merged).
@@ -51,6 +52,7 @@ from vllm.distributed import (
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.checkpoint import MambaPrefillCheckpointMetadata
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.pooling_params import PoolingParams
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
@@ -283,11 +285,40 @@ def hybrid_groups(config):
     return attention, gdn, groups, kv_cache_config
 
 
-def hybrid_metadata(state, order, prompt_lens, slots, for_capture=False):
+class GivenCheckpoints:
+    """Stands in for a GDN builder's ``checkpoint_builder``, which places
+    align mode's prefill checkpoints by block (and needs align mode's block
+    tables): the first build, the step's own, gets vLLM's checkpoint metadata
+    for ``checkpoints`` (row: (offset into its query, slot)); later builds,
+    the plugin's scans, get none, as outside align mode."""
+
+    def __init__(self, checkpoints: dict[int, tuple[int, int]]) -> None:
+        self.checkpoints: dict[int, tuple[int, int]] | None = checkpoints
+
+    def build(self, m, request_rows):
+        given, self.checkpoints = self.checkpoints, None
+        if given is None:
+            return None
+        offsets = [given.get(row, (0, 0))[0] for row in request_rows]
+        slots = [given.get(row, (0, 0))[1] for row in request_rows]
+        return MambaPrefillCheckpointMetadata(
+            checkpoint_offsets=torch.tensor(offsets, dtype=torch.int32),
+            state_indices=torch.tensor(slots, dtype=torch.int64),
+            offsets=offsets,
+            query_lens=m.query_start_loc_cpu.diff()[request_rows].tolist(),
+        )
+
+
+def hybrid_metadata(
+    state, order, prompt_lens, slots, for_capture=False, checkpoints=None
+):
     """prepare_attn over one prefill batch on the hybrid groups; row r's GDN
-    state slot is ``slots[r]``."""
+    state slot is ``slots[r]``; ``checkpoints``: ``GivenCheckpoints``."""
     model_state, config = state
     attention, gdn, groups, kv_cache_config = hybrid_groups(config)
+    if checkpoints:
+        builder = groups[1].get_metadata_builder(0)
+        builder.checkpoint_builder = GivenCheckpoints(checkpoints)
     batch = prefill_batch(order, prompt_lens)
     batch.is_prefilling_np[:] = True
     with set_current_vllm_config(config):
@@ -306,7 +337,7 @@ def hybrid_metadata(state, order, prompt_lens, slots, for_capture=False):
     return metadata[attention[0]], metadata[gdn[0]], gdn
 
 
-def step_metadata(state, step=STEP):
+def step_metadata(state, step=STEP, checkpoints=None):
     """``hybrid_metadata`` over ``step``: each row ``(request, prompt length,
     extra, state slot)`` added to the model state as a new request, then
     scheduled whole, in order."""
@@ -318,6 +349,7 @@ def step_metadata(state, step=STEP):
         [req_id for req_id, *_ in step],
         [prompt_len for _, prompt_len, _, _ in step],
         [slot for *_, slot in step],
+        checkpoints=checkpoints,
     )
 
 

@@ -10,8 +10,8 @@ on nothing else. vLLM's block hashes cover only the tokens up to each block
 those blocks' hashes while their contents differ. ``state_cache_salt`` keys a
 request by its whole state (token ids and media identifiers) under the user's
 own ``cache_salt``: vLLM hashes the salt into the first block and its parent
-chain carries it to every later one. ``state_hit_limit`` keeps a hit inside
-the state, where only whole matching states share blocks; the scheduler reads
+chain carries it to every later one. ``state_hit_limit`` keeps a hit strictly
+inside the state, where only whole matching states share blocks; the scheduler reads
 a request's state size with ``request_state_tokens``.
 """
 
@@ -42,10 +42,12 @@ def state_cache_salt(
 
 def state_hit_limit(state_tokens: int, num_tokens: int) -> int:
     """The longest prefix-cache hit a prefix_bidir request may take, in
-    tokens: inside its state block (a block past it holds question tokens,
-    which read their whole question), and never its last token (the readout
-    needs it computed). vLLM's manager takes whole cached blocks within it."""
-    return min(state_tokens, num_tokens - 1)
+    tokens: strictly inside its state block. A block past it holds question
+    tokens, which read their whole question; the Gated DeltaNet states the
+    plugin writes are those strictly inside a state (a packed prompt's
+    checkpoint at its state's end is not), and the readout needs the last
+    token computed. vLLM's manager takes whole cached blocks within it."""
+    return min(state_tokens, num_tokens) - 1
 
 
 def request_state_tokens(request: "Request") -> int | None:

@@ -13,10 +13,14 @@ state, ``QUESTIONS_PER_SCAN`` at a time, on scratch convolution states and
 and drops its final state, which nothing reads). A small step instead runs as
 one scan of each question's own prompt, its state read again
 (``STATE_REREAD_TOKENS_MAX``); on FLA's chunked rule a step that would run in
-two phases may run in one pass instead (``split_recurrence.py``).
-``_forward_core`` first calls ``forward_packed_questions``, which runs the scans
-where the layer's metadata is a ``PackedGDNAttentionMetadata`` (its ties to
-0.33.0: docs/upstream.md).
+two phases may run in one pass instead (``split_recurrence.py``). Where
+vLLM's metadata names align mode's prefill checkpoints (rows whose Gated
+DeltaNet state after ``offset`` of their tokens prefix caching keeps), the
+step runs in two phases and phase A first scans those rows up to them, each
+final state copied to the checkpoint's slot (``phase_a_checkpoints``): 0.33.0's
+core writes them only on FlashInfer's prefill. ``_forward_core`` first calls
+``forward_packed_questions``, which runs the scans where the layer's metadata
+is a ``PackedGDNAttentionMetadata`` (its ties to 0.33.0: docs/upstream.md).
 """
 
 from collections.abc import Callable, Sequence
@@ -102,14 +106,28 @@ class QuestionScan:
 
 
 @dataclass(frozen=True)
+class CheckpointScan:
+    """Phase A's first scan where rows hold a prefill checkpoint inside what
+    phase A scans: each such row's tokens up to its checkpoint, row ``i`` of
+    the scan on scratch slot ``1 + i``."""
+
+    tokens: PhaseTokens
+    rows: torch.Tensor
+    """(rows,) int64, the batch rows, ascending."""
+    metadata: CommonAttentionMetadata
+
+
+@dataclass(frozen=True)
 class StepPhases:
-    """A step's GDN scans, for every KV-cache group: phase A and phase B's
-    scans, or one scan with the states re-read."""
+    """A step's GDN scans, for every KV-cache group: phase A (after its
+    checkpoint scan, if any) and phase B's scans, or one scan with the states
+    re-read."""
 
     state_tokens: PhaseTokens | None
     """The batch tokens phase A scans, in order (None: no phase A)."""
     phase_a: CommonAttentionMetadata | None
     question_scans: tuple[QuestionScan, ...]
+    to_checkpoints: CheckpointScan | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +159,19 @@ class RowStates:
         pass
 
 
+@dataclass(frozen=True)
+class BuiltCheckpointScan:
+    """A ``CheckpointScan`` as one KV-cache group runs it: on copies of its
+    rows' states (``sources``: the null block, then each row's slot), whose
+    final states then go to each row's checkpoint slot and to its own slot
+    (``destinations``, in that order), where phase A continues from them."""
+
+    tokens: PhaseTokens
+    metadata: GDNAttentionMetadata
+    sources: torch.Tensor
+    destinations: torch.Tensor
+
+
 @dataclass
 class PackedGDNAttentionMetadata(GDNAttentionMetadata):
     """A step's GDN metadata (the fields, as built) plus its packed phases."""
@@ -148,6 +179,7 @@ class PackedGDNAttentionMetadata(GDNAttentionMetadata):
     phase_a: GDNAttentionMetadata | None = None
     state_tokens: PhaseTokens | None = None
     question_scans: tuple[BuiltQuestionScan, ...] = ()
+    to_checkpoints: BuiltCheckpointScan | None = None
 
 
 def common_metadata(
@@ -195,12 +227,16 @@ def _write_back(tokens: np.ndarray, device: torch.device) -> WriteBack | None:
     return torch.from_numpy(firsts).to(device), torch.from_numpy(written).to(device)
 
 
+def _scratch_slots(n: int, device: torch.device) -> torch.Tensor:
+    """(n, 1) int32: sequence ``i`` of a scan on scratch slot ``1 + i`` (slot 0
+    is the null block, which the kernels skip)."""
+    return torch.arange(1, n + 1, dtype=torch.int32, device=device)[:, None]
+
+
 def _scans(blocks: list[_Block], device: torch.device) -> tuple[QuestionScan, ...]:
     """``blocks`` as scans of ``QUESTIONS_PER_SCAN``, block ``i`` of a scan on
-    scratch slot ``1 + i`` (slot 0 is the null block, which the kernels skip)."""
-    scratch_slots = torch.arange(
-        1, QUESTIONS_PER_SCAN + 1, dtype=torch.int32, device=device
-    )
+    scratch slot ``1 + i``."""
+    scratch_slots = _scratch_slots(QUESTIONS_PER_SCAN, device)
     scans = []
     for first in range(0, len(blocks), QUESTIONS_PER_SCAN):
         scan = blocks[first : first + QUESTIONS_PER_SCAN]
@@ -216,7 +252,7 @@ def _scans(blocks: list[_Block], device: torch.device) -> tuple[QuestionScan, ..
                 metadata=common_metadata(
                     lens,
                     np.asarray([block.restart_from for block in scan]) + lens,
-                    scratch_slots[: len(scan), None],
+                    scratch_slots[: len(scan)],
                     device,
                 ),
             )
@@ -251,43 +287,108 @@ def _reread_blocks(
     return blocks
 
 
+def _phase_a_lens(query_start_loc: np.ndarray, packed: Sequence[PackedRow]):
+    """(rows,) int64: how many of each row's tokens phase A scans (a packed
+    row's state block, any other row whole)."""
+    lens_a = np.diff(query_start_loc).astype(np.int64)
+    for p in packed:
+        lens_a[p.row] = p.block.state_tokens
+    return lens_a
+
+
+def step_checkpoint_offsets(metadata: GDNAttentionMetadata) -> list[int]:
+    """Each row's align-mode prefill checkpoint as a Gated DeltaNet group's
+    step metadata gives it: the offset into the row's query (0: none; none at
+    all outside align mode)."""
+    checkpoint = metadata.checkpoint
+    if checkpoint is None:
+        return []
+    # vLLM lists them by request row, every row where no row is a spec decode.
+    assert checkpoint.offsets is not None and metadata.spec_sequence_masks is None
+    return checkpoint.offsets
+
+
+def phase_a_checkpoints(
+    query_start_loc: np.ndarray, packed: Sequence[PackedRow], offsets: Sequence[int]
+) -> list[tuple[int, int]]:
+    """``(row, offset)`` for each row whose align-mode prefill checkpoint,
+    ``offsets[row]`` tokens into its query (0: none), lies strictly inside
+    what phase A scans of it. The others are never read: a hit stays strictly
+    inside a state (``state_hit_limit``), and a checkpoint at a plain row's end
+    is its final state, which phase A writes."""
+    lens_a = _phase_a_lens(query_start_loc, packed)
+    return [(row, int(o)) for row, o in enumerate(offsets) if 0 < o < lens_a[row]]
+
+
+def _checkpoint_scan(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    checkpoints: Sequence[tuple[int, int]],
+    device: torch.device,
+) -> CheckpointScan:
+    rows, offsets = np.asarray(checkpoints, dtype=np.int64).T
+    starts = query_start_loc[rows]
+    context = seq_lens[rows] - (query_start_loc[rows + 1] - starts)
+    tokens = np.concatenate(
+        [np.arange(a, a + o) for a, o in zip(starts, offsets, strict=True)]
+    )
+    return CheckpointScan(
+        tokens=_phase_tokens(tokens, device),
+        rows=torch.from_numpy(rows).to(device),
+        metadata=common_metadata(
+            offsets, context + offsets, _scratch_slots(len(rows), device), device
+        ),
+    )
+
+
 def step_phases(
     query_start_loc: np.ndarray,
     seq_lens: np.ndarray,
     packed: Sequence[PackedRow],
     device: torch.device,
+    checkpoints: Sequence[tuple[int, int]] = (),
 ) -> StepPhases:
     """The phases of a step of ``len(seq_lens)`` fresh prefill rows, whose
     packed rows are scheduled whole. Phase A's block table is each group's own
-    (set by ``packed_gdn_metadata``)."""
-    reread = _reread_blocks(query_start_loc, seq_lens, packed)
+    (set by ``packed_gdn_metadata``). With ``checkpoints``
+    (``phase_a_checkpoints``) the step runs in two phases, and phase A first
+    scans those rows up to their checkpoints."""
+    reread = None if checkpoints else _reread_blocks(query_start_loc, seq_lens, packed)
     if reread is not None:
         return StepPhases(None, None, _scans(reread, device))
     query_lens = np.diff(query_start_loc).astype(np.int64)
-    lens_a = query_lens.copy()
+    lens_a = _phase_a_lens(query_start_loc, packed)
+    ends_a = seq_lens - (query_lens - lens_a)
     # Each question continues from its row's state, which has seen s tokens.
     blocks = []
     for p in packed:
         s = p.block.state_tokens
-        lens_a[p.row] = s
         for start, end in p.block.question_blocks():
             tokens = np.arange(p.token_start + start, p.token_start + end)
             blocks.append(_Block(tokens, p.row, s))
+    starts_a = query_start_loc[:-1].astype(np.int64)
+    to_checkpoints = None
+    if checkpoints:
+        to_checkpoints = _checkpoint_scan(
+            query_start_loc, seq_lens, checkpoints, device
+        )
+        # Those rows' phase A continues from their checkpoints.
+        for row, offset in checkpoints:
+            starts_a[row] += offset
+            lens_a[row] -= offset
     state_tokens = np.concatenate(
-        [
-            np.arange(start, start + n)
-            for start, n in zip(query_start_loc[:-1], lens_a, strict=True)
-        ]
+        [np.arange(start, start + n) for start, n in zip(starts_a, lens_a, strict=True)]
     )
     return StepPhases(
         state_tokens=_phase_tokens(state_tokens, device),
         phase_a=common_metadata(
             lens_a,
-            seq_lens - (query_lens - lens_a),
+            ends_a,
             torch.empty(0, 1, dtype=torch.int32, device=device),
             device,
         ),
         question_scans=_scans(blocks, device),
+        to_checkpoints=to_checkpoints,
     )
 
 
@@ -314,15 +415,14 @@ def _phase_a_per_group(
 
 
 def _build_scan(
-    builder: GDNAttentionMetadataBuilder, scan: QuestionScan
+    builder: GDNAttentionMetadataBuilder, common: CommonAttentionMetadata
 ) -> GDNAttentionMetadata:
-    """``scan`` as ``builder`` builds it. Where every block continues from its
+    """A scan as ``builder`` builds it. Where every block continues from its
     row's state (phase B), the prefill rows' initial-state mask, which 0.33.0's
     core only zeroes absent states by, is given on the host: all set, it zeroes
     nothing and launches nothing (on the GPU, its masked fill reads and writes
     every gathered state, 3.1 MB a question a layer at d3-turbo's shape)."""
-    built = builder.build(0, scan.metadata)
-    common = scan.metadata
+    built = builder.build(0, common)
     assert common.seq_lens_cpu_upper_bound is not None
     context = common.seq_lens_cpu_upper_bound - common.query_start_loc_cpu.diff()
     mask = built.prefill_has_initial_state
@@ -339,14 +439,25 @@ def packed_gdn_metadata(
     builder and its block table) with the packed phases. Every scan is built
     once, by the first group's builder; phase A is re-gathered per group, the
     other scans read scratch slots, the same for every group, each standing for
-    a slot of the group's own."""
+    a slot of the group's own (the checkpoint scan two: the row's own and its
+    checkpoint's)."""
     _, first_builder, _ = groups[0]
-    scans = [(scan, _build_scan(first_builder, scan)) for scan in phases.question_scans]
+    scans = [
+        (scan, _build_scan(first_builder, scan.metadata))
+        for scan in phases.question_scans
+    ]
+    checkpoint_scan = None
+    if phases.to_checkpoints is not None:
+        built = _build_scan(first_builder, phases.to_checkpoints.metadata)
+        checkpoint_scan = (phases.to_checkpoints, built)
     return [
         PackedGDNAttentionMetadata(
             **{f.name: getattr(metadata, f.name) for f in fields(GDNAttentionMetadata)},
             phase_a=phase_a,
             state_tokens=phases.state_tokens,
+            to_checkpoints=None
+            if checkpoint_scan is None
+            else _checkpoint_slots(*checkpoint_scan, metadata, block_table),
             question_scans=tuple(
                 BuiltQuestionScan(
                     tokens=scan.tokens,
@@ -363,6 +474,26 @@ def packed_gdn_metadata(
             groups, _phase_a_per_group(groups, phases.phase_a), strict=True
         )
     ]
+
+
+def _checkpoint_slots(
+    scan: CheckpointScan,
+    built: GDNAttentionMetadata,
+    metadata: GDNAttentionMetadata,
+    block_table: torch.Tensor,
+) -> BuiltCheckpointScan:
+    """``scan`` on one group's slots: its rows' own (column 0 of the block
+    table) and the checkpoint slots vLLM's metadata for the step names."""
+    assert metadata.checkpoint is not None, "a checkpoint scan needs vLLM's"
+    own = block_table[scan.rows, 0].long()
+    return BuiltCheckpointScan(
+        tokens=scan.tokens,
+        metadata=built,
+        sources=torch.nn.functional.pad(own, (1, 0)),
+        destinations=torch.cat(
+            [metadata.checkpoint.state_indices[scan.rows].long(), own]
+        ),
+    )
 
 
 def _scan(
@@ -438,6 +569,11 @@ def forward_packed_questions(
     inputs = (mixed_qkv, b, a)
     cache = layer.kv_cache
     try:
+        if metadata.to_checkpoints is not None:
+            all_metadata[layer.prefix] = metadata.to_checkpoints.metadata
+            _scan_to_checkpoints(
+                layer, forward_core, inputs, core_attn_out, metadata.to_checkpoints
+            )
         if metadata.phase_a is not None:
             assert metadata.state_tokens is not None
             all_metadata[layer.prefix] = metadata.phase_a
@@ -457,3 +593,22 @@ def forward_packed_questions(
         layer.kv_cache = cache
         all_metadata[layer.prefix] = metadata
     return True
+
+
+def _scan_to_checkpoints(
+    layer: "QwenGatedDeltaNetAttention",
+    forward_core: Callable[..., Any],
+    inputs: tuple[torch.Tensor, ...],
+    core_attn_out: torch.Tensor,
+    scan: BuiltCheckpointScan,
+) -> None:
+    """The checkpoint scan on copies of its rows' states (the core updates
+    them in place), then each final state to the row's checkpoint slot and to
+    its own slot, where phase A continues."""
+    cache = layer.kv_cache
+    scratch = tuple(states.index_select(0, scan.sources) for states in cache)
+    layer.kv_cache = scratch  # type: ignore[assignment]
+    _scan(forward_core, inputs, core_attn_out, scan.tokens)
+    for states, ends in zip(cache, scratch, strict=True):
+        states.index_copy_(0, scan.destinations, torch.cat([ends[1:], ends[1:]]))
+    layer.kv_cache = cache

@@ -42,6 +42,8 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     GDNGroup,
     PackedRow,
     packed_gdn_metadata,
+    phase_a_checkpoints,
+    step_checkpoint_offsets,
     step_phases,
 )
 from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import (
@@ -199,35 +201,49 @@ class D3PrefixBidirModelState(MambaHybridModelState):
             ubatch_idx=ubatch_idx,
             model_specific_attn_metadata=model_specific_attn_metadata,
         )
-        packed = [] if for_capture else self.packed_rows(input_batch)
-        if packed:
-            self._add_gdn_phases(
-                attn_metadata, input_batch, packed, block_tables, attn_groups
-            )
+        if not for_capture:
+            self._add_gdn_phases(attn_metadata, input_batch, block_tables, attn_groups)
         return attn_metadata
 
     def _add_gdn_phases(
         self,
         attn_metadata: dict[str, Any],
         input_batch: InputBatch,
-        packed: list[PackedRow],
         block_tables: tuple[torch.Tensor, ...],
         attn_groups: list[list[AttentionGroup]],
     ) -> None:
-        """Give every Gated DeltaNet layer the step's packed scans: one pass,
-        two phases, or one scan of each question's own prompt."""
+        """Give every Gated DeltaNet layer the step's own scans where it has
+        packed rows or prefill checkpoints that phase A must write (align mode
+        caches them; 0.33.0's core writes them only on FlashInfer's prefill):
+        one pass, two phases, or one scan of each question's own prompt."""
+        state_groups = [
+            (group, block_tables[group_id])
+            for group_id, groups in enumerate(attn_groups)
+            for group in groups
+            if isinstance(group.kv_cache_spec, MambaSpec)
+        ]
+        if not state_groups:
+            return
+        packed = self.packed_rows(input_batch)
+        first = attn_metadata[state_groups[0][0].layer_names[0]]
+        offsets = (
+            step_checkpoint_offsets(first)
+            if isinstance(first, GDNAttentionMetadata)
+            else []
+        )
+        query_start_loc = input_batch.query_start_loc_np[: input_batch.num_reqs + 1]
+        checkpoints = phase_a_checkpoints(query_start_loc, packed, offsets)
+        if not packed and not checkpoints:
+            return
         gdn_groups = []
-        for group_id, groups in enumerate(attn_groups):
-            for group in groups:
-                if not isinstance(group.kv_cache_spec, MambaSpec):
-                    continue
-                builder = group.get_metadata_builder(0)
-                if not isinstance(builder, GDNAttentionMetadataBuilder):
-                    raise NotImplementedError(
-                        "a packed D3 request needs Gated DeltaNet state layers, "
-                        f"not {type(builder).__name__}"
-                    )
-                gdn_groups.append((group, builder, block_tables[group_id]))
+        for group, block_table in state_groups:
+            builder = group.get_metadata_builder(0)
+            if not isinstance(builder, GDNAttentionMetadataBuilder):
+                raise NotImplementedError(
+                    "a packed D3 request needs Gated DeltaNet state layers, "
+                    f"not {type(builder).__name__}"
+                )
+            gdn_groups.append((group, builder, block_table))
         packed_metadata = self._packed_gdn_metadata(
             input_batch,
             packed,
@@ -235,27 +251,32 @@ class D3PrefixBidirModelState(MambaHybridModelState):
                 (attn_metadata[group.layer_names[0]], builder, block_table)
                 for group, builder, block_table in gdn_groups
             ],
+            checkpoints,
         )
         for (group, _, _), metadata in zip(gdn_groups, packed_metadata, strict=True):
             for name in group.layer_names:
                 attn_metadata[name] = metadata
 
     def _packed_gdn_metadata(
-        self, input_batch: InputBatch, packed: list[PackedRow], groups: list[GDNGroup]
+        self,
+        input_batch: InputBatch,
+        packed: list[PackedRow],
+        groups: list[GDNGroup],
+        checkpoints: list[tuple[int, int]],
     ) -> list[GDNAttentionMetadata]:
         """Each group's metadata of the step: its one pass where the layers run
         FLA's rule and the step allows it, else ``step_phases``' scans (one
         scan of each question's own prompt for a small step, else two
-        phases)."""
+        phases). Only the two phases write ``checkpoints``."""
         num_reqs = input_batch.num_reqs
         query_start_loc = input_batch.query_start_loc_np[: num_reqs + 1]
         seq_lens = np.asarray(input_batch.seq_lens_cpu_upper_bound[:num_reqs])
         device = input_batch.query_start_loc.device
-        if self.split_window is not None:
+        if self.split_window is not None and not checkpoints:
             split = split_recurrence(
                 query_start_loc, seq_lens, packed, self.split_window, device
             )
             if split is not None:
                 return list(split_gdn_metadata(groups, split))
-        phases = step_phases(query_start_loc, seq_lens, packed, device)
+        phases = step_phases(query_start_loc, seq_lens, packed, device, checkpoints)
         return list(packed_gdn_metadata(groups, phases))
