@@ -287,7 +287,9 @@ def _reread_blocks(
     return blocks
 
 
-def _phase_a_lens(query_start_loc: np.ndarray, packed: Sequence[PackedRow]):
+def _phase_a_lens(
+    query_start_loc: np.ndarray, packed: Sequence[PackedRow]
+) -> np.ndarray:
     """(rows,) int64: how many of each row's tokens phase A scans (a packed
     row's state block, any other row whole)."""
     lens_a = np.diff(query_start_loc).astype(np.int64)
