@@ -36,7 +36,7 @@ LONG = [
     ("p", 300, {"d3_state_tokens": 150, "d3_question_ends": [220, 300]}, 5),
 ]
 #: Where each row of ``STEP``'s tokens start in the step.
-STEP_STARTS = [0, 10, 30]
+STEP_STARTS = [sum(n for _, n, _, _ in STEP[:row]) for row in range(len(STEP))]
 #: Align mode's prefill checkpoints in ``STEP`` (row: offset into its query,
 #: slot): inside a's prompt, inside p's state, and among r's questions.
 CHECKPOINTS = {0: (7, 10), 1: (3, 11), 2: (8, 12)}

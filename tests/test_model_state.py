@@ -53,6 +53,7 @@ from vllm_d3.testing.model_runner import (
     hybrid_groups,
     hybrid_metadata,
     new_request,
+    prefill_batch,
     step_metadata,
     vllm_config_for,
 )
@@ -703,12 +704,11 @@ def test_each_gdn_group_restarts_from_its_own_slots(state):
 
 
 def step_packed_rows(model_state):
-    """``STEP``'s packed rows, once its requests are added."""
-    return [
-        PackedRow(row, start, model_state.state_blocks[req_id])
-        for row, (req_id, start) in enumerate([("a", 0), ("p", 10), ("r", 30)])
-        if model_state.state_blocks[req_id].packed
-    ]
+    """``STEP``'s packed rows as the model state finds them in its batch, once
+    its requests are added."""
+    return model_state.packed_rows(
+        prefill_batch([req_id for req_id, *_ in STEP], [n for _, n, _, _ in STEP])
+    )
 
 
 def test_only_checkpoints_inside_what_phase_a_scans_are_written(state):

@@ -227,7 +227,7 @@ def _write_back(tokens: np.ndarray, device: torch.device) -> WriteBack | None:
     return torch.from_numpy(firsts).to(device), torch.from_numpy(written).to(device)
 
 
-def _scratch_slots(n: int, device: torch.device) -> torch.Tensor:
+def scratch_slots(n: int, device: torch.device) -> torch.Tensor:
     """(n, 1) int32: sequence ``i`` of a scan on scratch slot ``1 + i`` (slot 0
     is the null block, which the kernels skip)."""
     return torch.arange(1, n + 1, dtype=torch.int32, device=device)[:, None]
@@ -236,7 +236,7 @@ def _scratch_slots(n: int, device: torch.device) -> torch.Tensor:
 def _scans(blocks: list[_Block], device: torch.device) -> tuple[QuestionScan, ...]:
     """``blocks`` as scans of ``QUESTIONS_PER_SCAN``, block ``i`` of a scan on
     scratch slot ``1 + i``."""
-    scratch_slots = _scratch_slots(QUESTIONS_PER_SCAN, device)
+    slots = scratch_slots(QUESTIONS_PER_SCAN, device)
     scans = []
     for first in range(0, len(blocks), QUESTIONS_PER_SCAN):
         scan = blocks[first : first + QUESTIONS_PER_SCAN]
@@ -252,7 +252,7 @@ def _scans(blocks: list[_Block], device: torch.device) -> tuple[QuestionScan, ..
                 metadata=common_metadata(
                     lens,
                     np.asarray([block.restart_from for block in scan]) + lens,
-                    scratch_slots[: len(scan)],
+                    slots[: len(scan)],
                     device,
                 ),
             )
@@ -338,7 +338,7 @@ def _checkpoint_scan(
         tokens=_phase_tokens(tokens, device),
         rows=torch.from_numpy(rows).to(device),
         metadata=common_metadata(
-            offsets, context + offsets, _scratch_slots(len(rows), device), device
+            offsets, context + offsets, scratch_slots(len(rows), device), device
         ),
     )
 
@@ -465,9 +465,7 @@ def packed_gdn_metadata(
                     tokens=scan.tokens,
                     write_back=scan.write_back,
                     metadata=built,
-                    scratch_sources=torch.nn.functional.pad(
-                        block_table[scan.rows, 0].long(), (1, 0)
-                    ),
+                    scratch_sources=_scratch_sources(block_table, scan.rows),
                 )
                 for scan, built in scans
             ),
@@ -478,22 +476,29 @@ def packed_gdn_metadata(
     ]
 
 
+def _scratch_sources(block_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(1 + blocks,) int64: the group's state slot each scratch slot of a scan
+    stands for: the null block, then the slot of each block's row (column 0
+    of the block table)."""
+    return torch.nn.functional.pad(block_table[rows, 0].long(), (1, 0))
+
+
 def _checkpoint_slots(
     scan: CheckpointScan,
     built: GDNAttentionMetadata,
     metadata: GDNAttentionMetadata,
     block_table: torch.Tensor,
 ) -> BuiltCheckpointScan:
-    """``scan`` on one group's slots: its rows' own (column 0 of the block
-    table) and the checkpoint slots vLLM's metadata for the step names."""
+    """``scan`` on one group's slots: its rows' own and the checkpoint slots
+    vLLM's metadata for the step names."""
     assert metadata.checkpoint is not None, "a checkpoint scan needs vLLM's"
-    own = block_table[scan.rows, 0].long()
+    sources = _scratch_sources(block_table, scan.rows)
     return BuiltCheckpointScan(
         tokens=scan.tokens,
         metadata=built,
-        sources=torch.nn.functional.pad(own, (1, 0)),
+        sources=sources,
         destinations=torch.cat(
-            [metadata.checkpoint.state_indices[scan.rows].long(), own]
+            [metadata.checkpoint.state_indices[scan.rows].long(), sources[1:]]
         ),
     )
 

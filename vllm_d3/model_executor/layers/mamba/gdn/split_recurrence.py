@@ -44,6 +44,7 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     PackedRow,
     common_metadata,
     layer_step_metadata,
+    scratch_slots,
 )
 
 if TYPE_CHECKING:
@@ -137,13 +138,14 @@ def _plan(
     # A question block's window is its state block's last ``width`` tokens.
     state_ends = starts[sources] + restarts[questions]
     window = (state_ends[:, None] + np.arange(-width, 0)).reshape(-1)
-    scratch_slots = torch.arange(1, len(starts) + 1, dtype=torch.int32, device=device)
 
     def on_device(values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values.astype(np.int64)).to(device)
 
     return SplitRecurrence(
-        metadata=common_metadata(lens, restarts + lens, scratch_slots[:, None], device),
+        metadata=common_metadata(
+            lens, restarts + lens, scratch_slots(len(starts), device), device
+        ),
         questions=on_device(questions),
         question_slots=on_device(questions + 1),
         sources=on_device(np.asarray(sources)),
