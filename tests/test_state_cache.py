@@ -33,11 +33,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_d3.v1.core.d3_state_cache import (
-    request_state_tokens,
-    state_cache_salt,
-    state_hit_limit,
-)
+from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
+from vllm_d3.v1.core.d3_state_cache import request_state_tokens, state_hit_limit
 from vllm_d3.v1.core.sched.scheduler import D3AsyncScheduler, D3Scheduler
 
 BLOCK = 16

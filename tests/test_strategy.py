@@ -78,6 +78,8 @@ class RecordingEngine:
         self.reads: list[tuple[dict, object]] = []
         self.request_ids: list[str] = []
         self.logits = torch.linspace(2.0, -2.0, num_codes)
+        #: The tokens each request (by id) finds in the prefix cache.
+        self.cached: dict[str, int] = {}
         #: The message of the error every read answers, if set.
         self.error: str | None = None
 
@@ -90,7 +92,7 @@ class RecordingEngine:
             error=None if self.error is None else SimpleNamespace(message=self.error),
             outputs=SimpleNamespace(data=data),
             prompt_token_ids=engine_input["prompt_token_ids"],
-            num_cached_tokens=0,
+            num_cached_tokens=self.cached.get(request_id, 0),
         )
 
 
@@ -99,12 +101,19 @@ def make_strategy(
     state_once: bool = False,
     max_model_len: int = 4096,
     engine_cls: type = RecordingEngine,
+    cache_grid: int | None = None,
 ):
     """The strategy as the front end builds it. The config hook turns state once
-    off without a Hopper GPU; ``state_once`` sets what it would decide there."""
+    off without a Hopper GPU; ``state_once`` sets what it would decide there.
+    ``cache_grid`` turns prefix caching on, as align mode would set it with a
+    Gated DeltaNet block of that many tokens (the config hook still refuses
+    prefix caching for prefix_bidir)."""
     config = EngineArgs(model=path, max_model_len=max_model_len).create_engine_config()
     if "d3_decided" in config.additional_config:
         config.additional_config["d3_decided"]["d3_state_once"] = state_once
+    if cache_grid is not None:
+        config.cache_config.enable_prefix_caching = True
+        config.cache_config.mamba_block_size = cache_grid
     renderer = renderer_from_config(config)
     engine = engine_cls(config, 255)
     online = OnlineRenderer(
@@ -132,19 +141,21 @@ QUESTIONS = [
 ]
 
 
-def read_coroutine(strategy, state, media=None, request_id="t"):
-    questions = [
-        build_question(qid, kind, text, criteria, 255, labeled=False)
-        for qid, kind, text, criteria in QUESTIONS
-    ]
+def read_coroutine(
+    strategy, state, media=None, request_id="t", questions=QUESTIONS, cache_salt=None
+):
     return strategy.read(
-        questions,
+        [
+            build_question(qid, kind, text, criteria, 255, labeled=False)
+            for qid, kind, text, criteria in questions
+        ],
         None,
         strategy.render_state(state),
         request_id=request_id,
         chat_template_kwargs=None,
         lora_request=None,
         priority=0,
+        cache_salt=cache_salt,
         media=media,
     )
 
@@ -601,3 +612,215 @@ def test_a_tokenizer_that_merges_across_the_split_gets_whole_prompts(
         "D3 prefix_bidir: this tokenizer merges across '\\n\\nQuestion:', so every "
         "question's prompt is tokenized whole"
     ]
+
+
+# The state cache's front end (docs/state-cache.md): the key on every engine
+# request, the state read alone first, and the usage the engine reports.
+
+OTHER_QUESTIONS = [("q9", "noul", "Is it something else?", None)]
+
+
+def cache_salts(strategy, engine, state, **read_options) -> set[str | None]:
+    """The cache salts of every engine request one read sends."""
+    engine.reads.clear()
+    asyncio.run(read_coroutine(strategy, state, **read_options))
+    return {inputs.get("cache_salt") for inputs, _ in engine.reads}
+
+
+@pytest.mark.parametrize("state_once", [False, True])
+def test_every_engine_request_is_keyed_by_the_whole_state(make_checkpoint, state_once):
+    path = make_checkpoint(weights=False)
+    strategy, engine = make_strategy(path, state_once=state_once, cache_grid=16)
+    key = cache_salts(strategy, engine, "one state")
+    assert len(key) == 1 and None not in key
+    assert cache_salts(strategy, engine, "one state", questions=OTHER_QUESTIONS) == key
+    longer = cache_salts(strategy, engine, "one state, then more")
+    tenants = [
+        cache_salts(strategy, engine, "one state", cache_salt=salt)
+        for salt in ("tenant-a", "tenant-b")
+    ]
+    assert len({*key, *longer, *tenants[0], *tenants[1]}) == 4
+    # Control: without prefix caching the requests carry the user's salt.
+    uncached, uncached_engine = make_strategy(path, state_once=state_once)
+    assert cache_salts(uncached, uncached_engine, "one state") == {None}
+    salted = cache_salts(uncached, uncached_engine, "one state", cache_salt="tenant-a")
+    assert salted == {"tenant-a"}
+
+
+def test_the_same_text_with_other_images_gets_another_key(make_checkpoint):
+    strategy, engine = make_strategy(
+        make_checkpoint(weights=False), state_once=True, cache_grid=16
+    )
+    images = [png_data_url(320, 256, seed) for seed in range(2)]
+    keys, prompts = [], []
+    for media in (images[:1], images[1:], images, images[::-1]):
+        keys.append(cache_salts(strategy, engine, "a photo", media={"image": media}))
+        prompts.append(engine.reads[-1][0]["prompt_token_ids"])
+    # The token ids are the same for the same number of images of one size.
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3]
+    assert len(set().union(*keys)) == 4
+
+
+class GatedEngine(RecordingEngine):
+    """Holds each state-alone read until ``release`` is set; records the ids of
+    the requests sent (``sent``) and of those it was made to leave."""
+
+    def __init__(self, vllm_config, num_codes: int):
+        super().__init__(vllm_config, num_codes)
+        self.release = asyncio.Event()
+        self.sent: list[str] = []
+        self.left: list[str] = []
+
+    async def encode(self, engine_input, params, request_id, **kwargs):
+        self.sent.append(request_id)
+        try:
+            if request_id.endswith("-state"):
+                await self.release.wait()
+        except asyncio.CancelledError:
+            self.left.append(request_id)
+            raise
+        async for output in super().encode(engine_input, params, request_id):
+            yield output
+
+
+async def hold(engine: GatedEngine, tasks: list[asyncio.Future]) -> None:
+    """Wait until ``tasks`` have sent their first request (or one has ended),
+    and a while longer."""
+    while not engine.sent and not any(task.done() for task in tasks):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+
+
+async def sent_while_held(engine: GatedEngine, *reads) -> list[str]:
+    """Start ``reads``; once the engine has held them a while, what they had
+    sent. Then release the engine and finish them."""
+    tasks = [asyncio.ensure_future(r) for r in reads]
+    await hold(engine, tasks)
+    sent = list(engine.sent)
+    engine.release.set()
+    await asyncio.gather(*tasks)
+    return sent
+
+
+@pytest.mark.parametrize("state_once", [False, True])
+def test_a_state_is_read_alone_before_its_questions(make_checkpoint, state_once):
+    strategy, engine = make_strategy(
+        make_checkpoint(weights=False),
+        state_once=state_once,
+        cache_grid=16,
+        engine_cls=GatedEngine,
+    )
+    held = asyncio.run(sent_while_held(engine, read_coroutine(strategy, "one state")))
+    assert held == ["t-state"]
+    (alone, params), *questions = engine.reads
+    s = params.extra_kwargs["d3_state_tokens"]
+    assert len(alone["prompt_token_ids"]) == s > 16
+    assert "d3_question_ends" not in params.extra_kwargs
+    assert len(questions) == (1 if state_once else len(QUESTIONS))
+    for inputs, question_params in questions:
+        assert inputs["prompt_token_ids"][:s] == alone["prompt_token_ids"]
+        assert question_params.extra_kwargs["d3_state_tokens"] == s
+        assert inputs["cache_salt"] == alone["cache_salt"]
+
+
+@pytest.mark.parametrize(("grid_below_state", "read_alone"), [(0, False), (1, True)])
+def test_only_a_state_longer_than_the_grid_is_read_alone(
+    make_checkpoint, grid_below_state, read_alone
+):
+    path = make_checkpoint(weights=False)
+    probe, probe_engine = make_strategy(path)
+    read(probe, "one state")
+    s = probe_engine.reads[0][1].extra_kwargs["d3_state_tokens"]
+    grid = s - grid_below_state
+    strategy, engine = make_strategy(path, cache_grid=grid)
+    read(strategy, "one state")
+    questions = [f"t-{n}" for n in range(len(QUESTIONS))]
+    assert engine.request_ids == (["t-state"] if read_alone else []) + questions
+
+
+def test_reads_of_one_state_in_flight_read_it_alone_once(make_checkpoint):
+    path = make_checkpoint(weights=False)
+
+    def held(*states_and_salts) -> list[str]:
+        strategy, engine = make_strategy(path, cache_grid=16, engine_cls=GatedEngine)
+        reads = [
+            read_coroutine(strategy, state, request_id=f"r{k}", cache_salt=salt)
+            for k, (state, salt) in enumerate(states_and_salts)
+        ]
+        sent = asyncio.run(sent_while_held(engine, *reads))
+        questions = [f"r{k}-{n}" for k in range(len(reads)) for n in range(3)]
+        assert sorted(engine.request_ids) == sorted([*sent, *questions])
+        return sorted(sent)
+
+    assert held(("one state", None), ("one state", None), ("one state", None)) == [
+        "r0-state"
+    ]
+    # Controls: other states, another tenant.
+    assert held(("one state", None), ("another state", None)) == [
+        "r0-state",
+        "r1-state",
+    ]
+    assert held(("one state", None), ("one state", "tenant-b")) == [
+        "r0-state",
+        "r1-state",
+    ]
+
+
+def test_a_read_waiting_on_a_cancelled_state_read_goes_on(make_checkpoint):
+    strategy, engine = make_strategy(
+        make_checkpoint(weights=False), cache_grid=16, engine_cls=GatedEngine
+    )
+
+    async def cancel_the_first():
+        first = asyncio.ensure_future(
+            read_coroutine(strategy, "one state", request_id="a")
+        )
+        second = asyncio.ensure_future(
+            read_coroutine(strategy, "one state", request_id="b")
+        )
+        await hold(engine, [first, second])
+        first.cancel()
+        answers = await asyncio.wait_for(second, timeout=10)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return answers
+
+    answers = asyncio.run(cancel_the_first())
+    assert engine.left == ["a-state"]
+    assert engine.sent == ["a-state", "b-0", "b-1", "b-2"]
+    assert len(answers) == len(QUESTIONS)
+
+
+@pytest.mark.parametrize("state_once", [False, True])
+def test_usage_counts_what_was_computed_and_what_was_cached(
+    make_checkpoint, state_once
+):
+    strategy, engine = make_strategy(
+        make_checkpoint(weights=False), state_once=state_once, cache_grid=16
+    )
+    engine.cached = {"t-state": 16, "t-pack0": 32, "t-0": 32, "t-1": 16, "t-2": 0}
+    answers = read(strategy, "one state")
+    lengths = {
+        request_id: len(inputs["prompt_token_ids"])
+        for request_id, (inputs, _) in zip(
+            engine.request_ids, engine.reads, strict=True
+        )
+    }
+    s = engine.reads[0][1].extra_kwargs["d3_state_tokens"]
+    if state_once:
+        ends = engine.reads[1][1].extra_kwargs["d3_question_ends"]
+        # The first question counts the state (what the two requests computed
+        # of it), the others their own tokens.
+        own = [end - start for start, end in zip([s, *ends], ends, strict=False)]
+        computed = [s - 16 + ends[0] - 32, *own[1:]]
+        cached = [16 + 32, 0, 0]
+    else:
+        # Each question computes its prompt less what it found cached; the
+        # first also counts the state read alone.
+        cached = [16 + 32, 16, 0]
+        computed = [
+            lengths[f"t-{n}"] - engine.cached[f"t-{n}"] for n in range(len(QUESTIONS))
+        ]
+        computed[0] += s - 16
+    assert [a.input_tokens for a in answers] == computed
+    assert [a.cached_tokens for a in answers] == cached

@@ -8,16 +8,20 @@ more than one plain encode per question
 ``needs_state_block_reads`` holds (prefix_bidir, or d3-ultra's
 ``temperature_by_questions``), ``read`` hands its rendered engine inputs to
 ``read_state_blocks``, which returns each question's code logits and the
-tokens the engine computed for it. For prefix_bidir every prompt must share
-its state block (``state_tokens``); with state once (the config hook's
-decision) the questions go packed into as few engine requests as one step
-holds (``_plan``), otherwise one encode per question carries the state size.
+tokens the engine computed and took from the prefix cache for it. For
+prefix_bidir every prompt must share its state block (``state_tokens``); with
+state once (the config hook's decision) the questions go packed into as few
+engine requests as one step holds (``_plan``), otherwise one encode per
+question carries the state size. With prefix caching, every engine request is
+keyed by the whole state, and a state longer than the cache's grid is read
+alone first, so that the questions' requests find it cached
+(``docs/state-cache.md``).
 """
 
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.entrypoints.openai.decisions.question_types import (
     Question,
@@ -25,8 +29,14 @@ from vllm.entrypoints.openai.decisions.question_types import (
 )
 from vllm.inputs import EngineInput
 from vllm.logger import init_logger
+from vllm.outputs import PoolingRequestOutput
 from vllm.pooling_params import PoolingParams
 
+from vllm_d3.entrypoints.openai.decisions.d3_state_key import (
+    checkpoint_grid,
+    media_identifiers,
+    state_cache_salt,
+)
 from vllm_d3.model_executor.models.d3_contract import (
     QUESTION_ENDS_KEY,
     STATE_TOKENS_KEY,
@@ -80,14 +90,50 @@ def pack_questions(
     return packs
 
 
+class QuestionTokens(NamedTuple):
+    """A question's usage: the tokens the engine computed for it, and those it
+    took from the prefix cache."""
+
+    computed: int
+    cached: int
+
+
 @dataclass
 class _Read:
-    """One engine request: its input, params, id, and the questions it answers."""
+    """One engine request: its input, params, id, the questions it answers and
+    each one's own tokens (a pack's state and what else its prompt holds count
+    with its first question)."""
 
     engine_input: Any
     params: PoolingParams
     request_id: str
     questions: list[int]
+    question_tokens: list[int]
+
+    def usage(self, output: PoolingRequestOutput) -> list[QuestionTokens]:
+        """Each of its questions' usage, from the engine's ``output``."""
+        cached = output.num_cached_tokens or 0
+        computed = len(self.engine_input["prompt_token_ids"]) - cached
+        first = computed - sum(self.question_tokens[1:])
+        rest = [QuestionTokens(q, 0) for q in self.question_tokens[1:]]
+        return [QuestionTokens(first, cached), *rest]
+
+
+def _per_question_reads(
+    engine_inputs: Sequence[Any], params: PoolingParams, request_id: str, s: int
+) -> list[_Read]:
+    """One engine request per question, each prompt reading its ``s``-token
+    state (0: none)."""
+    return [
+        _Read(
+            inputs,
+            params,
+            f"{request_id}-{n}",
+            [n],
+            [len(inputs["prompt_token_ids"]) - s],
+        )
+        for n, inputs in enumerate(engine_inputs)
+    ]
 
 
 class D3StateBlockReads:
@@ -118,6 +164,13 @@ class D3StateBlockReads:
         self.max_pack_tokens = min(
             self.max_model_len, vllm_config.scheduler_config.max_num_batched_tokens
         )
+        cache_config = vllm_config.cache_config
+        #: Whether states are cached across requests, and on what grid.
+        self.state_cache = self.prefix_bidir and cache_config.enable_prefix_caching
+        self.state_grid = checkpoint_grid(cache_config) if self.state_cache else 0
+        #: The state-alone reads in flight, by key: a read of the same state
+        #: waits for the one in flight instead of reading it again.
+        self.state_reads: dict[str, asyncio.Task[PoolingRequestOutput]] = {}
         #: Whether prompts are tokenized as a shared head and a tail (None:
         #: not checked yet), and the last head with its tokens.
         self.splits_heads: bool | None = None if self.prefix_bidir else False
@@ -197,19 +250,30 @@ class D3StateBlockReads:
         media: Any,
         request_id: str,
         **encode_kwargs: Any,
-    ) -> tuple[list[list[float]], list[int]]:
-        """Each question's code logits, and the tokens computed for it."""
-        reads, computed_tokens = self._plan(
+    ) -> tuple[list[list[float]], list[QuestionTokens]]:
+        """Each question's code logits and usage."""
+        reads, state_read = self._plan(
             engine_inputs, params, questions, state, media, request_id
         )
-        rows = await asyncio.gather(
+        usage = [QuestionTokens(0, 0) for _ in questions]
+        if state_read is not None:
+            output = await self._read_state_alone(state_read, encode_kwargs)
+            if output is not None:
+                usage[0] = state_read.usage(output)[0]
+        outputs = await asyncio.gather(
             *(self._send(read, encode_kwargs) for read in reads)
         )
         logits: list[list[float]] = [[] for _ in questions]
-        for read, read_rows in zip(reads, rows, strict=True):
-            for n, row in zip(read.questions, read_rows, strict=True):
+        for read, output in zip(reads, outputs, strict=True):
+            rows = output.outputs.data.view(len(read.questions), -1).tolist()
+            for n, row, tokens in zip(
+                read.questions, rows, read.usage(output), strict=True
+            ):
                 logits[n] = row
-        return logits, computed_tokens
+                usage[n] = QuestionTokens(
+                    usage[n].computed + tokens.computed, usage[n].cached + tokens.cached
+                )
+        return logits, usage
 
     def _plan(
         self,
@@ -219,20 +283,17 @@ class D3StateBlockReads:
         state: str,
         media: Any,
         request_id: str,
-    ) -> tuple[list[_Read], list[int]]:
-        """The engine requests of one read, and the tokens each question costs:
-        per question, request ids ``f"{request_id}-{n}"``, each with
-        ``d3_state_tokens`` for prefix_bidir; state once, packs ``state || q1
-        || ... || qQ`` with ``d3_question_ends``, as many as ``max_model_len``
-        and ``max_num_batched_tokens`` need (each reading the state again, and
-        logged), a pack's state counted with its first question."""
+    ) -> tuple[list[_Read], _Read | None]:
+        """The engine requests of one read, and the state-alone read to send
+        before them (``None``: none): per question, request ids
+        ``f"{request_id}-{n}"``, each with ``d3_state_tokens`` for
+        prefix_bidir; state once, packs ``state || q1 || ... || qQ`` with
+        ``d3_question_ends``, as many as ``max_model_len`` and
+        ``max_num_batched_tokens`` need (each reading the state again, and
+        logged). With the state cache, each is keyed by the whole state."""
         ids = [engine_input["prompt_token_ids"] for engine_input in engine_inputs]
-        computed_tokens = [len(prompt) for prompt in ids]
         if not self.prefix_bidir:
-            return [
-                _Read(engine_inputs[n], params, f"{request_id}-{n}", [n])
-                for n in range(len(ids))
-            ], computed_tokens
+            return _per_question_reads(engine_inputs, params, request_id, 0), None
         s = self.state_tokens(questions[0], state, media, ids[0])
         if any(prompt[:s] != ids[0][:s] or len(prompt) <= s for prompt in ids):
             raise StructuredDecisionError(
@@ -240,12 +301,27 @@ class D3StateBlockReads:
             )
         sized = params.clone()
         sized.extra_kwargs = {**(params.extra_kwargs or {}), STATE_TOKENS_KEY: s}
+        if self.state_cache:
+            engine_inputs = [self._keyed(inputs, s) for inputs in engine_inputs]
         if not self.state_once or len(ids) == 1:
-            return [
-                _Read(engine_inputs[n], sized, f"{request_id}-{n}", [n])
-                for n in range(len(ids))
-            ], computed_tokens
-        return self._packed_reads(engine_inputs, sized, s, request_id)
+            reads = _per_question_reads(engine_inputs, sized, request_id, s)
+        else:
+            reads = self._packed_reads(engine_inputs, sized, s, request_id)
+        if not self.state_cache or s <= self.state_grid:
+            return reads, None
+        alone = {**engine_inputs[0], "prompt_token_ids": ids[0][:s]}
+        return reads, _Read(alone, sized, f"{request_id}-state", [], [])
+
+    @staticmethod
+    def _keyed(engine_input: Any, s: int) -> Any:
+        """``engine_input`` with its cache salt keyed by its whole state block
+        (the first ``s`` tokens and the media), under the user's salt."""
+        salt = state_cache_salt(
+            engine_input.get("cache_salt"),
+            engine_input["prompt_token_ids"][:s],
+            media_identifiers(engine_input),
+        )
+        return {**engine_input, "cache_salt": salt}
 
     def _packed_reads(
         self,
@@ -253,15 +329,12 @@ class D3StateBlockReads:
         sized: PoolingParams,
         s: int,
         request_id: str,
-    ) -> tuple[list[_Read], list[int]]:
+    ) -> list[_Read]:
         """The packs ``state || q1 || ... || qQ`` of one read (``sized``: the
-        params with its state block size ``s``), and the tokens each question
-        costs."""
+        params with its state block size ``s``)."""
         ids = [engine_input["prompt_token_ids"] for engine_input in engine_inputs]
         question_lens = [len(prompt) - s for prompt in ids]
         packs = pack_questions(s, question_lens, self.max_pack_tokens)
-        # Each question's own tokens, and a pack's state with its first.
-        computed_tokens = list(question_lens)
         if len(packs) > 1:
             logger.info(
                 "D3 request %s: %d questions in %d packs, each reading the %d-token "
@@ -279,20 +352,40 @@ class D3StateBlockReads:
             for n in pack:
                 packed_ids += ids[n][s:]
                 ends.append(len(packed_ids))
-            computed_tokens[pack[0]] += s
             packed = sized.clone()
             packed.extra_kwargs = {
                 **(sized.extra_kwargs or {}),
                 QUESTION_ENDS_KEY: ends,
             }
             engine_input = {**engine_inputs[0], "prompt_token_ids": packed_ids}
-            reads.append(_Read(engine_input, packed, f"{request_id}-pack{k}", pack))
-        return reads, computed_tokens
+            own_tokens = [question_lens[n] for n in pack]
+            reads.append(
+                _Read(engine_input, packed, f"{request_id}-pack{k}", pack, own_tokens)
+            )
+        return reads
+
+    async def _read_state_alone(
+        self, read: _Read, encode_kwargs: dict[str, Any]
+    ) -> PoolingRequestOutput | None:
+        """Send ``read``, a state alone, and wait for it (its readout is not
+        used); where a read of the same state is in flight, wait for that one
+        instead (``None``), whether it ends well or not: the questions'
+        requests compute whatever they do not find cached."""
+        key = read.engine_input["cache_salt"]
+        in_flight = self.state_reads.get(key)
+        if in_flight is not None:
+            await asyncio.wait([in_flight])
+            return None
+        task = asyncio.ensure_future(self._send(read, encode_kwargs))
+        self.state_reads[key] = task
+        task.add_done_callback(lambda _: self.state_reads.pop(key, None))
+        return await task
 
     async def _send(
         self, read: _Read, encode_kwargs: dict[str, Any]
-    ) -> list[list[float]]:
-        """One engine request's code logits, one row per question it answers."""
+    ) -> PoolingRequestOutput:
+        """One engine request's output (one row of code logits per question
+        it answers)."""
         output = None
         async for last in self.engine_client.encode(
             read.engine_input, read.params, read.request_id, **encode_kwargs
@@ -302,4 +395,4 @@ class D3StateBlockReads:
             raise ValueError("Failed to score the question")
         if output.error is not None:
             raise ValueError(f"Failed to score the question: {output.error.message}")
-        return output.outputs.data.view(len(read.questions), -1).tolist()
+        return output

@@ -31,7 +31,10 @@ from vllm.lora.request import LoRARequest
 from vllm.outputs import PoolingOutput, PoolingRequestOutput
 from vllm.pooling_params import PoolingParams
 
-from vllm_d3.entrypoints.openai.decisions.d3_reads import D3StateBlockReads
+from vllm_d3.entrypoints.openai.decisions.d3_reads import (
+    D3StateBlockReads,
+    QuestionTokens,
+)
 
 
 def question_request_id(request_id: str, n: int) -> str:
@@ -46,7 +49,8 @@ class _RequestReads:
     together by ``read_state_blocks``. Each question's logits go back to
     0.33.0's ``read`` scaled by ``temperature / temperature_for(Q)`` (its
     division by ``temperature`` then divides them by ``temperature_for(Q)``),
-    with the tokens the engine computed for it as its usage."""
+    with the tokens the engine computed and took from the prefix cache for it
+    as its usage."""
 
     def __init__(
         self,
@@ -69,8 +73,8 @@ class _RequestReads:
         self.results: list[asyncio.Future[PoolingRequestOutput]] = [
             loop.create_future() for _ in questions
         ]
-        #: The tokens the engine computed for each question (usage).
-        self.computed_tokens: list[int] = [0] * len(questions)
+        #: Each question's usage.
+        self.usage = [QuestionTokens(0, 0) for _ in questions]
         self.task: asyncio.Task | None = None
 
     async def encode(
@@ -97,7 +101,7 @@ class _RequestReads:
         # 0.33.0's read sends every question with the same params and kwargs.
         _, params, kwargs = self.inputs[0]
         try:
-            logits, self.computed_tokens = await strategy.read_state_blocks(
+            logits, self.usage = await strategy.read_state_blocks(
                 [self.inputs[n][0] for n in range(len(self.questions))],
                 params,
                 self.questions,
@@ -121,7 +125,7 @@ class _RequestReads:
                     question_request_id(self.request_id, n),
                     PoolingOutput(data=torch.tensor(row) * scale),
                     engine_input["prompt_token_ids"],
-                    0,
+                    self.usage[n].cached,
                     finished=True,
                 )
             )
@@ -216,6 +220,7 @@ class D3Strategy(upstream.D3Strategy, D3StateBlockReads):
             if reads.task is not None:
                 # A cancelled or failed read stops its engine requests too.
                 reads.task.cancel()
-        for answer, tokens in zip(answers, reads.computed_tokens, strict=True):
-            answer.input_tokens = tokens
+        for answer, tokens in zip(answers, reads.usage, strict=True):
+            answer.input_tokens = tokens.computed
+            answer.cached_tokens = tokens.cached
         return answers
