@@ -15,6 +15,9 @@ import pytest
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.forward_context import get_forward_context, set_forward_context
+from vllm.model_executor.layers.mamba.abstract import (
+    get_mamba_prefill_checkpoint_alignment,
+)
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     QwenGatedDeltaNetAttention,
 )
@@ -113,6 +116,39 @@ def test_model_state_resolution(make_checkpoint, mode, expected):
     assert resolved is resolve_model_state_cls(reference_config, reference)
     if expected is not None:
         assert resolved is expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "cache_mode", "declared"),
+    [("prefix_bidir", "align", True), ("prefix_bidir", "none", False)]
+    # The control: 0.33.0's layers declare none on the Triton prefill.
+    + [("causal", "align", False)],
+)
+def test_in_align_mode_the_gdn_layers_declare_prefill_checkpoints(
+    make_checkpoint, mode, cache_mode, declared
+):
+    config = vllm_config_for(make_checkpoint(attention_mode=mode, weights=False))
+    # Align mode as prefix caching sets it (the config hook refuses it for
+    # prefix_bidir until the state cache serves), with a 16-token block.
+    config.cache_config.mamba_cache_mode = cache_mode
+    config.cache_config.mamba_block_size = 16
+    model = build_model(D3ForSequenceClassification, config)
+    layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
+    assert layers and all(layer.gdn_prefill_backend == "triton" for layer in layers)
+    with set_current_vllm_config(config):
+        specs = [layer.get_kv_cache_spec(config) for layer in layers]
+        alignment = get_mamba_prefill_checkpoint_alignment(config)
+    blocks = {spec.num_prefill_checkpoint_blocks for spec in specs}
+    assert blocks == {int(declared)}
+    if not declared:
+        assert alignment is None
+        return
+    # Checkpoints on vLLM's own grid, the block; one state of FlashInfer's
+    # checkpoint workspace (which the Triton prefill never writes).
+    assert alignment == 1
+    assert {spec.prefill_checkpoint_alignment for spec in specs} == {16}
+    workspace_shape, _ = layers[0]._checkpoint_buffer_spec
+    assert workspace_shape[0] == 1
 
 
 @pytest.fixture

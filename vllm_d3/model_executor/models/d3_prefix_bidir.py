@@ -11,13 +11,18 @@ that reads a packed request (``state || q1 || ... || qQ``) out at the last
 token of every question block, ``Q * num_codes`` logits flat; every other
 request gets 0.33.0's readout at its last token. Its Gated DeltaNet layers
 restart each question from the state on their own
-(``layers/mamba/gdn/packed_questions.py``).
+(``layers/mamba/gdn/packed_questions.py``); in align mode on the Triton
+prefill, ``serve_prefix_bidir`` has each declare the prefill checkpoints the
+two phases write (``write_prefill_checkpoints``).
 """
 
 from collections.abc import Set
 from dataclasses import replace
 
 import torch
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    QwenGatedDeltaNetAttention,
+)
 from vllm.model_executor.layers.pooler.abstract import Pooler
 from vllm.model_executor.layers.pooler.seqwise.poolers import SequencePooler
 from vllm.model_executor.layers.pooler.special import DispatchPooler
@@ -25,6 +30,9 @@ from vllm.pooling_params import PoolingParams
 from vllm.tasks import PoolingTask
 from vllm.v1.pool.metadata import PoolingMetadata
 
+from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
+    write_prefill_checkpoints,
+)
 from vllm_d3.model_executor.models.d3_contract import QUESTION_ENDS_KEY
 
 
@@ -99,8 +107,9 @@ class PackedReadoutPooler(Pooler):
 
 
 def serve_prefix_bidir(model: torch.nn.Module) -> None:
-    """Give ``model`` (a D3 model of a prefix_bidir checkpoint) its model state
-    and its per-question readout."""
+    """Give ``model`` (a D3 model of a prefix_bidir checkpoint) its model
+    state and its per-question readout, and its Gated DeltaNet layers the
+    prefill checkpoints of align mode on the Triton prefill."""
     # An instance attribute: only prefix_bidir instances have the hook, so
     # vLLM resolves the other modes' model state as before.
     model.get_model_state_cls = _prefix_bidir_model_state_cls  # type: ignore[assignment]
@@ -112,3 +121,6 @@ def serve_prefix_bidir(model: torch.nn.Module) -> None:
     model.pooler = DispatchPooler(
         {**dispatch.poolers_by_task, "classify": PackedReadoutPooler(classify)}
     )
+    for module in model.modules():
+        if isinstance(module, QwenGatedDeltaNetAttention):
+            write_prefill_checkpoints(module)

@@ -55,8 +55,9 @@ def checkpoint_grid(cache_config: "CacheConfig") -> int:
     """The token grid on which align mode caches Gated DeltaNet states, as the
     front end can know it: ``prefix_match_unit`` where set, else the Mamba
     block. vLLM's grid is that made a multiple of the layers' checkpoint
-    alignment, which for a split scan is 1 token. A state has a cached state
-    inside it only where it is longer than the grid."""
+    alignment, which the D3 layers declare as 1 token
+    (``write_prefill_checkpoints``). A state has a cached state inside it
+    only where it is longer than the grid."""
     grid = cache_config.prefix_match_unit or cache_config.mamba_block_size
     assert grid is not None, "align mode sets the Mamba block size"
     return grid

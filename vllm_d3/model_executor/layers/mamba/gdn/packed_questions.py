@@ -18,7 +18,8 @@ vLLM's metadata names align mode's prefill checkpoints (rows whose Gated
 DeltaNet state after ``offset`` of their tokens prefix caching keeps), the
 step runs in two phases and phase A first scans those rows up to them, each
 final state copied to the checkpoint's slot (``phase_a_checkpoints``): 0.33.0's
-core writes them only on FlashInfer's prefill. ``_forward_core`` first calls
+core writes them only on FlashInfer's prefill, and a layer declares them
+for the Triton prefill with ``write_prefill_checkpoints``. ``_forward_core`` first calls
 ``forward_packed_questions``, which runs the scans where the layer's metadata
 is a ``PackedGDNAttentionMetadata`` (its ties to 0.33.0: docs/upstream.md).
 """
@@ -296,6 +297,25 @@ def _phase_a_lens(
     for p in packed:
         lens_a[p.row] = p.block.state_tokens
     return lens_a
+
+
+def write_prefill_checkpoints(layer: "QwenGatedDeltaNetAttention") -> None:
+    """In align mode on the Triton prefill, declare that ``layer`` writes
+    prefill checkpoints, as 0.33.0's layer does for FlashInfer's: vLLM then
+    gives its Mamba spec a checkpoint block and the step metadata the
+    checkpoints, which the two phases write. A split scan may stop at any
+    token, so the alignment is 1 and vLLM's grid stays the block (or
+    ``prefix_match_unit``). The workspace 0.33.0 reserves for FlashInfer's
+    checkpoint output, which no Triton kernel writes, is sized to one state."""
+    cache_config = layer.vllm_config.cache_config
+    if (
+        cache_config.mamba_cache_mode != "align"
+        or layer.gdn_prefill_backend != "triton"
+    ):
+        return
+    layer._checkpoint_alignment = 1
+    # The checkpoint workspace holds one state per grid step of this many tokens.
+    layer._max_num_batched_tokens = 1
 
 
 def step_checkpoint_offsets(metadata: GDNAttentionMetadata) -> list[int]:
