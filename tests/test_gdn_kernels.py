@@ -42,6 +42,16 @@ STEP_STARTS = [sum(n for _, n, _, _ in STEP[:row]) for row in range(len(STEP))]
 CHECKPOINTS = {0: (7, 10), 1: (3, 11), 2: (8, 12)}
 #: Those the plugin writes: r's is past its state, where no hit reads it.
 WRITTEN = {row: CHECKPOINTS[row] for row in (0, 1)}
+#: STEP in align mode on 7-token blocks, each row with its Gated DeltaNet block
+#: table. vLLM resolves each row's slot as the block of its length (STEP's own
+#: slots) and places each row's checkpoint at its last whole block before its
+#: end: a's at 7 (slot 10, as in CHECKPOINTS), p's at 14 and r's at 7, both
+#: among their questions (slots 11 and 12: not written).
+ALIGN_BLOCK = 7
+ALIGN_STEP = [
+    (*row[:3], table)
+    for row, table in zip(STEP, [[10, 3, 0], [13, 11, 5], [12, 7, 0]], strict=True)
+]
 #: A packed request whose first question block is one token.
 ONE_TOKEN_FIRST = [("q", 12, {"d3_state_tokens": 5, "d3_question_ends": [6, 12]}, 3)]
 
@@ -179,6 +189,14 @@ def runs(make_checkpoint, tmp_path_factory):
             SPLIT_SEQUENCES_MAX,
         ),
         "checkpoints-by-vllm": (STEP, inputs, False, 64, 0, 0),
+        "align-mode": (
+            ALIGN_STEP,
+            inputs,
+            True,
+            64,
+            STATE_REREAD_TOKENS_MAX,
+            SPLIT_SEQUENCES_MAX,
+        ),
         "to-checkpoints": (
             to_checkpoints,
             tuple(x[to_checkpoint_tokens] for x in inputs),
@@ -199,6 +217,7 @@ def runs(make_checkpoint, tmp_path_factory):
                 "state_reread_tokens_max": reread,
                 "split_sequences_max": split,
                 "checkpoints": CHECKPOINTS if name.startswith("checkpoints") else {},
+                **({"align_block": ALIGN_BLOCK} if name == "align-mode" else {}),
             }
             for name, (step, case_inputs, restart, per_scan, reread, split) in (
                 cases.items()
@@ -370,3 +389,23 @@ def test_vllms_triton_prefill_leaves_the_checkpoint_slots_unwritten(runs):
         assert torch.equal(after, result[f"{cache}_before"][written])
         expected = results["to-checkpoints"][f"{cache}_after"][written]
         assert max_error(after, expected) > 0.1
+
+
+def test_in_align_mode_vllms_checkpoint_and_the_rows_slots_are_written(runs):
+    # vLLM places the checkpoints (the layers declare them) and resolves the
+    # rows' slots; the two phases write a's checkpoint with the state of its
+    # first 7 tokens and each row's resolved slot with the step's final state,
+    # and leave the checkpoints among the questions and every other slot.
+    results, _ = runs
+    result = results["align-mode"]
+    assert result["form"] == "two phases"
+    assert max_error(result["out"], results["gathered"]["out"]) < 2e-3
+    written, rows = [10], [slot for *_, slot in STEP]
+    unread = [slot for slot in range(CACHE_SLOTS) if slot not in written + rows]
+    for cache in ("conv", "ssm"):
+        before, after = result[f"{cache}_before"], result[f"{cache}_after"]
+        expected = results["to-checkpoints"][f"{cache}_after"]
+        assert max_error(after[written], expected[written]) < 2e-3
+        step = results["gathered"][f"{cache}_after"]
+        assert max_error(after[rows], step[rows]) < 2e-3
+        assert torch.equal(after[unread], before[unread])

@@ -127,11 +127,8 @@ def test_model_state_resolution(make_checkpoint, mode, expected):
 def test_in_align_mode_the_gdn_layers_declare_prefill_checkpoints(
     make_checkpoint, mode, cache_mode, declared
 ):
-    config = vllm_config_for(make_checkpoint(attention_mode=mode, weights=False))
-    # Align mode as prefix caching sets it (the config hook refuses it for
-    # prefix_bidir until the state cache serves), with a 16-token block.
-    config.cache_config.mamba_cache_mode = cache_mode
-    config.cache_config.mamba_block_size = 16
+    path = make_checkpoint(attention_mode=mode, weights=False)
+    config = vllm_config_for(path, align_block=16 if cache_mode == "align" else None)
     model = build_model(D3ForSequenceClassification, config)
     layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
     assert layers and all(layer.gdn_prefill_backend == "triton" for layer in layers)
@@ -149,6 +146,56 @@ def test_in_align_mode_the_gdn_layers_declare_prefill_checkpoints(
     assert {spec.prefill_checkpoint_alignment for spec in specs} == {16}
     workspace_shape, _ = layers[0]._checkpoint_buffer_spec
     assert workspace_shape[0] == 1
+
+
+def test_in_align_mode_the_scans_run_on_the_slots_vllm_resolved(make_checkpoint):
+    # STEP's rows on 4-token blocks, each with a block table of its own. vLLM
+    # resolves each row's slot as the block of its length, and places each
+    # row's checkpoint at its last whole block before its end: a's at 8 (its
+    # block 1), inside what phase A reads; p's at 16 and r's at 12, among
+    # their questions. (Block 0 is vLLM's null block.)
+    tables = [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8], [9, 10, 11, 12, 0]]
+    step = [(*row[:3], table) for row, table in zip(STEP, tables, strict=True)]
+    path = make_checkpoint(weights=False)
+    with cpu_model_state(D3PrefixBidirModelState, path, align_block=4) as state:
+        _, metadata, _ = step_metadata(state, step)
+        _, config = state
+        _, _, groups, _ = hybrid_groups(config)
+    resolved = [3, 8, 12]
+    assert metadata.non_spec_state_indices_tensor.tolist() == resolved
+    assert metadata.checkpoint.offsets == [8, 16, 12]
+    assert metadata.checkpoint.state_indices.tolist() == [2, 7, 11]
+    # Phase A, the checkpoint scan (a up to 8, its final state to block 1
+    # and to a's own slot) and the question scans on the resolved slots, none
+    # with checkpoints of its own.
+    assert metadata.phase_a.non_spec_state_indices_tensor.tolist() == resolved
+    to_checkpoints = metadata.to_checkpoints
+    assert to_checkpoints.sources.tolist() == [0, 3]
+    assert to_checkpoints.destinations.tolist() == [2, 3]
+    questions = [scan.scratch_sources[1:].tolist() for scan in metadata.question_scans]
+    assert sorted(sum(questions, [])) == [8, 8, 8, 12, 12]
+    built = [metadata.phase_a, to_checkpoints.metadata]
+    built += [scan.metadata for scan in metadata.question_scans]
+    assert all(scan.checkpoint is None for scan in built)
+    # The control: vLLM's builder given phase A's lengths resolves other
+    # blocks (p's and r's state ends, 5 and 6 tokens in).
+    phases = step_phases(
+        np.array([0, 10, 30, 44]),
+        np.array([10, 20, 14]),
+        step_packed_rows(state[0]),
+        CPU,
+        [(0, 8)],
+    )
+    assert phases.phase_a is not None
+    builder = groups[1].get_metadata_builder(0)
+    with set_current_vllm_config(config):
+        by_vllm = builder.build(
+            0,
+            phases.phase_a.replace(
+                block_table_tensor=torch.tensor(tables, dtype=torch.int32)
+            ),
+        )
+    assert by_vllm.non_spec_state_indices_tensor.tolist() == [3, 5, 10]
 
 
 @pytest.fixture

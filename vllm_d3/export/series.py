@@ -151,6 +151,12 @@ that the state is computed once:
 - the classify pooler reads a packed request out at the last token of each
   question block, the logits flat, question by question.
 
+For prefix caching's align mode (which the contract still refuses for
+prefix_bidir; it is the state cache's), the Gated DeltaNet layers declare
+prefill checkpoints on the Triton prefill too, and the two phases write those
+inside what their first phase reads; every scan runs on the state slots vLLM
+resolved for the step.
+
 The D3 model gives a prefix_bidir instance the get_model_state_cls hook and
 the per-question readout (models/d3_prefix_bidir.py); the other attention
 modes are unchanged.""",

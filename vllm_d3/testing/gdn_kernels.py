@@ -21,7 +21,9 @@ case to autotune (``run_case``).
 Each case builds the model state of ``vllm serve CHECKPOINT`` on the CPU,
 schedules ``step`` (``(req_id, prompt_len, extra, slot)`` per row, whole
 prompts; ``checkpoints``, if given, as ``model_runner.GivenCheckpoints``
-places them) through its ``prepare_attn``, and runs one Gated DeltaNet layer's
+places them; ``align_block``, if given, in align mode on blocks of that many
+tokens, each row's slot its Gated DeltaNet block table) through its
+``prepare_attn``, and runs one Gated DeltaNet layer's
 ``_forward_core`` on ``inputs`` (``mixed_qkv``, ``b``, ``a``). The layer's
 parameters and its state caches (which a fresh prefill must not read) are drawn
 from fixed seeds, the same in every case. ``restart=False`` calls 0.33.0's
@@ -76,6 +78,7 @@ class Case(TypedDict):
     state_reread_tokens_max: int
     split_sequences_max: int
     checkpoints: NotRequired[dict[int, tuple[int, int]]]
+    align_block: NotRequired[int]
 
 
 def use_interpreter() -> None:
@@ -191,7 +194,9 @@ def run_case(checkpoint: str, case: Case) -> dict[str, Any]:
     packed_questions.QUESTIONS_PER_SCAN = case["questions_per_scan"]
     packed_questions.STATE_REREAD_TOKENS_MAX = case["state_reread_tokens_max"]
     split_recurrence.SPLIT_SEQUENCES_MAX = case["split_sequences_max"]
-    with cpu_model_state(D3PrefixBidirModelState, checkpoint) as state:
+    with cpu_model_state(
+        D3PrefixBidirModelState, checkpoint, case.get("align_block")
+    ) as state:
         _, config = state
         _, metadata, gdn = step_metadata(
             state, case["step"], checkpoints=case.get("checkpoints")

@@ -3,7 +3,8 @@ attention metadata builders.
 
 - ``single_process_group()``: vLLM's distributed state for one process (gloo);
 - ``vllm_config_for(path)`` and ``build_model(model_cls, config)``: the engine
-  config ``vllm serve path`` builds, and a model built under it;
+  config ``vllm serve path`` builds (or, ``align_block``, with prefix
+  caching's align mode), and a model built under it;
 - ``CpuRopeState``: vLLM's ``RopeState`` (its real ``init_prefill_positions``)
   over a plain record of the staged positions, where vLLM's pinned buffer needs
   a GPU driver;
@@ -97,8 +98,18 @@ def single_process_group() -> Iterator[None]:
         cleanup_dist_env_and_memory()
 
 
-def vllm_config_for(path: str):
-    return EngineArgs(model=path, max_model_len=4096).create_engine_config()
+def vllm_config_for(path: str, align_block: int | None = None):
+    """``align_block``: prefix caching's align mode on blocks of that many
+    tokens, as an engine resolves it (set after the config hook, which refuses
+    prefix caching for prefix_bidir)."""
+    config = EngineArgs(model=path, max_model_len=4096).create_engine_config()
+    if align_block is not None:
+        cache = config.cache_config
+        cache.enable_prefix_caching = True
+        cache.mamba_cache_mode = "align"
+        cache.mamba_block_size = cache.hash_block_size = align_block
+        cache.cache_hit_alignment_tokens = align_block
+    return config
 
 
 def build_model(model_cls, config):
@@ -143,8 +154,10 @@ class CpuRopeState(RopeState):
 
 
 @contextmanager
-def cpu_model_state(state_cls: type, path: str) -> Iterator[tuple[Any, VllmConfig]]:
-    config = vllm_config_for(path)
+def cpu_model_state(
+    state_cls: type, path: str, align_block: int | None = None
+) -> Iterator[tuple[Any, VllmConfig]]:
+    config = vllm_config_for(path, align_block)
     model_cls, _ = ModelRegistry.resolve_model_cls(
         config.model_config.architectures, config.model_config
     )
@@ -223,7 +236,8 @@ def attention_metadata(
 #: A packed request's ``extra``: a 5-token state, then three questions.
 PACKED = {"d3_state_tokens": 5, "d3_question_ends": [9, 12, 20]}
 #: Two packed requests of different states and question counts beside a plain
-#: one, in one step: (request, prompt length, extra, state slot).
+#: one, in one step: (request, prompt length, extra, state slot; in align mode
+#: the row's Gated DeltaNet block table).
 STEP = [
     ("a", 10, {"d3_state_tokens": 4}, 3),
     ("p", 20, PACKED, 5),
@@ -288,17 +302,15 @@ def hybrid_groups(config):
 class GivenCheckpoints:
     """Stands in for a GDN builder's ``checkpoint_builder``, which places
     align mode's prefill checkpoints by block (and needs align mode's block
-    tables): the first build, the step's own, gets vLLM's checkpoint metadata
-    for ``checkpoints`` (row: (offset into its query, slot)); later builds,
-    the plugin's scans, get none, as outside align mode."""
+    tables): a build gets vLLM's checkpoint metadata for ``checkpoints``
+    (row: (offset into its query, slot)). The plugin's own scans are built
+    with none (``packed_questions._on_slots``)."""
 
     def __init__(self, checkpoints: dict[int, tuple[int, int]]) -> None:
-        self.checkpoints: dict[int, tuple[int, int]] | None = checkpoints
+        self.checkpoints = checkpoints
 
     def build(self, m, request_rows):
-        given, self.checkpoints = self.checkpoints, None
-        if given is None:
-            return None
+        given = self.checkpoints
         offsets = [given.get(row, (0, 0))[0] for row in request_rows]
         slots = [given.get(row, (0, 0))[1] for row in request_rows]
         return MambaPrefillCheckpointMetadata(
@@ -327,7 +339,10 @@ def hybrid_metadata(
             CUDAGraphMode.NONE,
             (
                 torch.arange(16 * len(order), dtype=torch.int32).reshape(-1, 16),
-                torch.tensor([[slot] for slot in slots], dtype=torch.int32),
+                torch.tensor(
+                    [slot if isinstance(slot, list) else [slot] for slot in slots],
+                    dtype=torch.int32,
+                ),
             ),
             torch.zeros(2, batch.num_tokens, dtype=torch.int64),
             [[groups[0]], [groups[1]]],

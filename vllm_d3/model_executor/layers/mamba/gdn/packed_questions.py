@@ -24,7 +24,8 @@ for the Triton prefill with ``write_prefill_checkpoints``. ``_forward_core`` fir
 is a ``PackedGDNAttentionMetadata`` (its ties to 0.33.0: docs/upstream.md).
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,6 +33,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.checkpoint import (
+    MambaPrefillCheckpointBuilder,
+    MambaPrefillCheckpointMetadata,
+)
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionMetadata,
@@ -414,7 +419,64 @@ def step_phases(
     )
 
 
+#: A Gated DeltaNet KV-cache group of the step: its metadata, its builder and
+#: each row's state slot, (rows, 1) (``step_state_slots``).
 GDNGroup = tuple[GDNAttentionMetadata, GDNAttentionMetadataBuilder, torch.Tensor]
+
+
+def step_state_slots(metadata: GDNAttentionMetadata) -> torch.Tensor:
+    """(rows, 1): each row's state slot in a Gated DeltaNet group's step
+    metadata, as vLLM resolved it (in align mode, the block of the row's
+    length, into which vLLM copied a cached state)."""
+    slots = metadata.non_spec_state_indices_tensor
+    # prefix_bidir steps hold prefills alone, so no row is a spec decode.
+    assert slots is not None and metadata.spec_sequence_masks is None
+    return slots[:, None]
+
+
+class _NoCheckpoints(MambaPrefillCheckpointBuilder):
+    """Places no prefill checkpoint: the plugin's scans write the step's own,
+    which vLLM's metadata for the step names."""
+
+    def build(
+        self, m: CommonAttentionMetadata, request_rows: list[int]
+    ) -> MambaPrefillCheckpointMetadata | None:
+        return None
+
+
+@contextmanager
+def _on_slots(
+    builder: GDNAttentionMetadataBuilder, table: torch.Tensor
+) -> Iterator[None]:
+    """``builder`` building one of the plugin's scans: row ``r``'s state slot
+    is ``table[r, 0]`` in any cache mode (``build`` takes the table Model
+    Runner V2 computes for align mode, ``mamba_aligned_state_indices``, before
+    resolving one from the block table by sequence length), and no checkpoint
+    is placed."""
+    saved = {
+        name: vars(builder)[name]
+        for name in ("mamba_aligned_state_indices", "checkpoint_builder")
+        if name in vars(builder)
+    }
+    builder.mamba_aligned_state_indices = table
+    builder.checkpoint_builder = _NoCheckpoints(
+        builder.vllm_config, builder.kv_cache_spec
+    )
+    try:
+        yield
+    finally:
+        del builder.mamba_aligned_state_indices, builder.checkpoint_builder
+        for name, value in saved.items():
+            setattr(builder, name, value)
+
+
+def build_on_slots(
+    builder: GDNAttentionMetadataBuilder, common: CommonAttentionMetadata
+) -> GDNAttentionMetadata:
+    """``common`` as ``builder`` builds it, each row on the slot in column 0
+    of its block table, with no checkpoint."""
+    with _on_slots(builder, common.block_table_tensor):
+        return builder.build(0, common)
 
 
 def _phase_a_per_group(
@@ -425,15 +487,18 @@ def _phase_a_per_group(
     (``update_block_table``)."""
     if phase_a is None:
         return [None] * len(groups)
-    _, first_builder, first_table = groups[0]
+    _, first_builder, first_slots = groups[0]
     rows = phase_a.num_reqs
-    built = first_builder.build(
-        0, phase_a.replace(block_table_tensor=first_table[:rows])
+    built = build_on_slots(
+        first_builder, phase_a.replace(block_table_tensor=first_slots[:rows])
     )
-    return [
-        builder.update_block_table(built, table[:rows], phase_a.slot_mapping)
-        for _, builder, table in groups
-    ]
+    per_group: list[GDNAttentionMetadata | None] = []
+    for _, builder, slots in groups:
+        with _on_slots(builder, slots[:rows]):
+            per_group.append(
+                builder.update_block_table(built, slots[:rows], phase_a.slot_mapping)
+            )
+    return per_group
 
 
 def _build_scan(
@@ -444,7 +509,7 @@ def _build_scan(
     core only zeroes absent states by, is given on the host: all set, it zeroes
     nothing and launches nothing (on the GPU, its masked fill reads and writes
     every gathered state, 3.1 MB a question a layer at d3-turbo's shape)."""
-    built = builder.build(0, common)
+    built = build_on_slots(builder, common)
     assert common.seq_lens_cpu_upper_bound is not None
     context = common.seq_lens_cpu_upper_bound - common.query_start_loc_cpu.diff()
     mask = built.prefill_has_initial_state
@@ -458,7 +523,7 @@ def packed_gdn_metadata(
     groups: Sequence[GDNGroup], phases: StepPhases
 ) -> list[PackedGDNAttentionMetadata]:
     """Each KV-cache group's step metadata (``groups``: the metadata, its
-    builder and its block table) with the packed phases. Every scan is built
+    builder and its rows' state slots) with the packed phases. Every scan is built
     once, by the first group's builder; phase A is re-gathered per group, the
     other scans read scratch slots, the same for every group, each standing for
     a slot of the group's own (the checkpoint scan two: the row's own and its
@@ -479,40 +544,39 @@ def packed_gdn_metadata(
             state_tokens=phases.state_tokens,
             to_checkpoints=None
             if checkpoint_scan is None
-            else _checkpoint_slots(*checkpoint_scan, metadata, block_table),
+            else _checkpoint_slots(*checkpoint_scan, metadata, slots),
             question_scans=tuple(
                 BuiltQuestionScan(
                     tokens=scan.tokens,
                     write_back=scan.write_back,
                     metadata=built,
-                    scratch_sources=_scratch_sources(block_table, scan.rows),
+                    scratch_sources=_scratch_sources(slots, scan.rows),
                 )
                 for scan, built in scans
             ),
         )
-        for (metadata, _, block_table), phase_a in zip(
+        for (metadata, _, slots), phase_a in zip(
             groups, _phase_a_per_group(groups, phases.phase_a), strict=True
         )
     ]
 
 
-def _scratch_sources(block_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _scratch_sources(slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """(1 + blocks,) int64: the group's state slot each scratch slot of a scan
-    stands for: the null block, then the slot of each block's row (column 0
-    of the block table)."""
-    return torch.nn.functional.pad(block_table[rows, 0].long(), (1, 0))
+    stands for: the null block, then the slot of each block's row."""
+    return torch.nn.functional.pad(slots[rows, 0].long(), (1, 0))
 
 
 def _checkpoint_slots(
     scan: CheckpointScan,
     built: GDNAttentionMetadata,
     metadata: GDNAttentionMetadata,
-    block_table: torch.Tensor,
+    slots: torch.Tensor,
 ) -> BuiltCheckpointScan:
     """``scan`` on one group's slots: its rows' own and the checkpoint slots
     vLLM's metadata for the step names."""
     assert metadata.checkpoint is not None, "a checkpoint scan needs vLLM's"
-    sources = _scratch_sources(block_table, scan.rows)
+    sources = _scratch_sources(slots, scan.rows)
     return BuiltCheckpointScan(
         tokens=scan.tokens,
         metadata=built,

@@ -42,6 +42,7 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     QUESTIONS_PER_SCAN,
     GDNGroup,
     PackedRow,
+    build_on_slots,
     common_metadata,
     layer_step_metadata,
     scratch_slots,
@@ -173,7 +174,7 @@ def split_gdn_metadata(
     kernel a layer, where a host mask would copy to the device from pageable
     memory and so wait for the GPU, every layer."""
     _, builder, _ = groups[0]
-    one_pass = builder.build(0, split.metadata)
+    one_pass = build_on_slots(builder, split.metadata)
     return [
         SplitGDNAttentionMetadata(
             **{f.name: getattr(metadata, f.name) for f in fields(GDNAttentionMetadata)},

@@ -45,6 +45,7 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     phase_a_checkpoints,
     step_checkpoint_offsets,
     step_phases,
+    step_state_slots,
 )
 from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import (
     FLA_PREFILL_BACKEND,
@@ -202,30 +203,30 @@ class D3PrefixBidirModelState(MambaHybridModelState):
             model_specific_attn_metadata=model_specific_attn_metadata,
         )
         if not for_capture:
-            self._add_gdn_phases(attn_metadata, input_batch, block_tables, attn_groups)
+            self._add_gdn_phases(attn_metadata, input_batch, attn_groups)
         return attn_metadata
 
     def _add_gdn_phases(
         self,
         attn_metadata: dict[str, Any],
         input_batch: InputBatch,
-        block_tables: tuple[torch.Tensor, ...],
         attn_groups: list[list[AttentionGroup]],
     ) -> None:
         """Give every Gated DeltaNet layer the step's own scans where it has
         packed rows or prefill checkpoints that phase A must write (align mode
         caches them; 0.33.0's core writes them only on FlashInfer's prefill):
-        one pass, two phases, or one scan of each question's own prompt."""
+        one pass, two phases, or one scan of each question's own prompt. The
+        scans run on the state slots vLLM resolved for the step's rows."""
         state_groups = [
-            (group, block_tables[group_id])
-            for group_id, groups in enumerate(attn_groups)
+            group
+            for groups in attn_groups
             for group in groups
             if isinstance(group.kv_cache_spec, MambaSpec)
         ]
         if not state_groups:
             return
         packed = self.packed_rows(input_batch)
-        first = attn_metadata[state_groups[0][0].layer_names[0]]
+        first = attn_metadata[state_groups[0].layer_names[0]]
         offsets = (
             step_checkpoint_offsets(first)
             if isinstance(first, GDNAttentionMetadata)
@@ -235,25 +236,20 @@ class D3PrefixBidirModelState(MambaHybridModelState):
         checkpoints = phase_a_checkpoints(query_start_loc, packed, offsets)
         if not packed and not checkpoints:
             return
-        gdn_groups = []
-        for group, block_table in state_groups:
+        gdn_groups: list[GDNGroup] = []
+        for group in state_groups:
             builder = group.get_metadata_builder(0)
+            metadata = attn_metadata[group.layer_names[0]]
             if not isinstance(builder, GDNAttentionMetadataBuilder):
                 raise NotImplementedError(
                     "a packed D3 request needs Gated DeltaNet state layers, "
                     f"not {type(builder).__name__}"
                 )
-            gdn_groups.append((group, builder, block_table))
+            gdn_groups.append((metadata, builder, step_state_slots(metadata)))
         packed_metadata = self._packed_gdn_metadata(
-            input_batch,
-            packed,
-            [
-                (attn_metadata[group.layer_names[0]], builder, block_table)
-                for group, builder, block_table in gdn_groups
-            ],
-            checkpoints,
+            input_batch, packed, gdn_groups, checkpoints
         )
-        for (group, _, _), metadata in zip(gdn_groups, packed_metadata, strict=True):
+        for group, metadata in zip(state_groups, packed_metadata, strict=True):
             for name in group.layer_names:
                 attn_metadata[name] = metadata
 
