@@ -48,6 +48,10 @@ WRITTEN = {row: CHECKPOINTS[row] for row in (0, 1)}
 #: end: a's at 7 (slot 10, as in CHECKPOINTS), p's at 14 and r's at 7, both
 #: among their questions (slots 11 and 12: not written).
 ALIGN_BLOCK = 7
+#: A prefix-cache hit on p's first 3 tokens (inside its 5-token state): the
+#: step's tokens, by their index in STEP.
+HIT = 3
+HIT_TOKENS = [t for t in range(STEP_STARTS[-1] + STEP[-1][1]) if not 10 <= t < 10 + HIT]
 ALIGN_STEP = [
     (*row[:3], table)
     for row, table in zip(STEP, [[10, 3, 0], [13, 11, 5], [12, 7, 0]], strict=True)
@@ -125,6 +129,16 @@ def runs(make_checkpoint, tmp_path_factory):
             for t in range(STEP_STARTS[row], STEP_STARTS[row] + offset)
         ]
     )
+    # STEP after a hit on p's first 3 tokens: the step computes the rest.
+    hit_inputs = tuple(x[HIT_TOKENS] for x in inputs)
+    after_hit = (
+        STEP,
+        hit_inputs,
+        True,
+        64,
+        STATE_REREAD_TOKENS_MAX,
+        SPLIT_SEQUENCES_MAX,
+    )
     # (step, inputs, the plugin's core, questions per scan, states re-read,
     # sequences of a split recurrence)
     cases = {
@@ -189,6 +203,19 @@ def runs(make_checkpoint, tmp_path_factory):
             SPLIT_SEQUENCES_MAX,
         ),
         "checkpoints-by-vllm": (STEP, inputs, False, 64, 0, 0),
+        # p's first 3 tokens as a prompt of their own, on p's slot: the state
+        # a prefix-cache hit inside p's state starts from.
+        "p-prefix": (
+            [("p3", 3, {"d3_state_tokens": 3}, STEP[1][3])],
+            tuple(x[10:13] for x in inputs),
+            False,
+            64,
+            0,
+            0,
+        ),
+        # Where the one pass and the one scan were allowed.
+        "hit": after_hit,
+        "hit-on-other-states": after_hit,
         "align-mode": (
             ALIGN_STEP,
             inputs,
@@ -206,6 +233,13 @@ def runs(make_checkpoint, tmp_path_factory):
             0,
         ),
     }
+    # Further options of some cases (gdn_kernels.Case).
+    hit = {"computed": {"p": HIT}}
+    options = {
+        "align-mode": {"align_block": ALIGN_BLOCK},
+        "hit": {**hit, "cache_from": list(cases).index("p-prefix")},
+        "hit-on-other-states": hit,
+    }
     folder = tmp_path_factory.mktemp("gdn-kernels")
     torch.save(
         [
@@ -217,7 +251,7 @@ def runs(make_checkpoint, tmp_path_factory):
                 "state_reread_tokens_max": reread,
                 "split_sequences_max": split,
                 "checkpoints": CHECKPOINTS if name.startswith("checkpoints") else {},
-                **({"align_block": ALIGN_BLOCK} if name == "align-mode" else {}),
+                **options.get(name, {}),
             }
             for name, (step, case_inputs, restart, per_scan, reread, split) in (
                 cases.items()
@@ -409,3 +443,23 @@ def test_in_align_mode_vllms_checkpoint_and_the_rows_slots_are_written(runs):
         step = results["gathered"][f"{cache}_after"]
         assert max_error(after[rows], step[rows]) < 2e-3
         assert torch.equal(after[unread], before[unread])
+
+
+def test_a_packed_row_after_a_hit_continues_from_the_cached_state(runs):
+    # p found its first 3 tokens in the prefix cache, their state in its slot:
+    # the step computes the rest of p (and a and r) in two phases, where the
+    # one pass and the one scan were allowed, and gives those tokens and
+    # every row's slot what the step of whole prompts gives.
+    results, _ = runs
+    result = results["hit"]
+    assert result["form"] == "two phases"
+    whole = results["gathered"]
+    assert max_error(result["out"], whole["out"][HIT_TOKENS]) < 2e-3
+    rows = [slot for *_, slot in STEP]
+    for cache in ("conv", "ssm"):
+        after = result[f"{cache}_after"][rows]
+        assert max_error(after, whole[f"{cache}_after"][rows]) < 2e-3
+    # The control: on another state in p's slot, p's tokens come out wrong.
+    other = results["hit-on-other-states"]["out"]
+    p_tokens = slice(10, 10 + 20 - HIT)
+    assert max_error(other[p_tokens], whole["out"][HIT_TOKENS][p_tokens]) > 0.1

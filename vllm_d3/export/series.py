@@ -155,7 +155,8 @@ For prefix caching's align mode (which the contract still refuses for
 prefix_bidir; it is the state cache's), the Gated DeltaNet layers declare
 prefill checkpoints on the Triton prefill too, and the two phases write those
 inside what their first phase reads; every scan runs on the state slots vLLM
-resolved for the step.
+resolved for the step, and a packed row after a prefix-cache hit inside its
+state continues from the cached state.
 
 The D3 model gives a prefix_bidir instance the get_model_state_cls hook and
 the per-question readout (models/d3_prefix_bidir.py); the other attention

@@ -22,12 +22,14 @@ Each case builds the model state of ``vllm serve CHECKPOINT`` on the CPU,
 schedules ``step`` (``(req_id, prompt_len, extra, slot)`` per row, whole
 prompts; ``checkpoints``, if given, as ``model_runner.GivenCheckpoints``
 places them; ``align_block``, if given, in align mode on blocks of that many
-tokens, each row's slot its Gated DeltaNet block table) through its
-``prepare_attn``, and runs one Gated DeltaNet layer's
+tokens, each row's slot its Gated DeltaNet block table; ``computed``, if
+given, after that many tokens of a request found in the prefix cache) through
+its ``prepare_attn``, and runs one Gated DeltaNet layer's
 ``_forward_core`` on ``inputs`` (``mixed_qkv``, ``b``, ``a``). The layer's
 parameters and its state caches (which a fresh prefill must not read) are drawn
-from fixed seeds, the same in every case. ``restart=False`` calls 0.33.0's
-method itself, not the plugin's (``qwen_gdn_linear_attn.py``).
+from fixed seeds, the same in every case, or (``cache_from``) taken from the
+state caches an earlier case left. ``restart=False`` calls 0.33.0's method
+itself, not the plugin's (``qwen_gdn_linear_attn.py``).
 
 ``use_interpreter()`` makes four differences between the interpreter and a GPU
 harmless; each names what it depends on:
@@ -79,6 +81,8 @@ class Case(TypedDict):
     split_sequences_max: int
     checkpoints: NotRequired[dict[int, tuple[int, int]]]
     align_block: NotRequired[int]
+    computed: NotRequired[dict[str, int]]
+    cache_from: NotRequired[int]
 
 
 def use_interpreter() -> None:
@@ -169,9 +173,12 @@ def autotuned() -> set[str]:
     }
 
 
-def run_case(checkpoint: str, case: Case) -> dict[str, Any]:
+def run_case(
+    checkpoint: str, case: Case, earlier: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The layer's output over ``case`` (``out``), its caches before and after
-    it (``conv_before``, ``ssm_before``, ``conv_after``, ``ssm_after``), the
+    it (``conv_before``, ``ssm_before``, ``conv_after``, ``ssm_after``; before:
+    ``earlier[cache_from]``'s after, where given), the
     form the step ran in (``form``: ``FORMS``) and the kernel configurations
     it autotuned that no earlier case had (``tuned``)."""
     from vllm.forward_context import set_forward_context
@@ -199,7 +206,12 @@ def run_case(checkpoint: str, case: Case) -> dict[str, Any]:
     ) as state:
         _, config = state
         _, metadata, gdn = step_metadata(
-            state, case["step"], checkpoints=case.get("checkpoints")
+            state,
+            case["step"],
+            checkpoints=case.get("checkpoints"),
+            computed=case.get("computed"),
+            # The layer alone runs: its group's metadata is all it reads.
+            attention=False,
         )
         layer = config.compilation_config.static_forward_context[gdn[0]]
         assert isinstance(layer, QwenGatedDeltaNetAttention)
@@ -215,6 +227,9 @@ def run_case(checkpoint: str, case: Case) -> dict[str, Any]:
                 layer.get_state_shape(), layer.get_state_dtype(), strict=True
             )
         ]
+        if "cache_from" in case:
+            start = earlier[case["cache_from"]]
+            before = [start["conv_after"], start["ssm_after"]]
         layer.kv_cache = tuple(cache.clone() for cache in before)
         mixed_qkv, b, a = case["inputs"]
         out = torch.full(
@@ -272,8 +287,10 @@ def main(argv: list[str]) -> None:
 
     use_interpreter()
     cases: list[Case] = torch.load(cases_path)
+    results: list[dict[str, Any]] = []
     with single_process_group():
-        results = [run_case(checkpoint, case) for case in cases]
+        for case in cases:
+            results.append(run_case(checkpoint, case, results))
     torch.save(results, out_path)
 
 

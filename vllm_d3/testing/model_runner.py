@@ -12,7 +12,8 @@ attention metadata builders.
   model ``vllm serve path`` builds (with ``CpuRopeState``), and its config,
   under that config;
 - ``prefill_batch(req_ids, prompt_lens)``: one step scheduling each prompt
-  whole, as the runner schedules D3 prompts;
+  to its end, as the runner schedules D3 prompts (whole, or after a
+  prefix-cache hit);
 - ``attention_metadata(state_and_config, req_ids, prompt_lens, backend)``: the
   state's ``prepare_attn`` over such a step, through vLLM's
   ``build_attn_metadata`` into ``backend``'s real builder for one of the
@@ -171,20 +172,23 @@ def cpu_model_state(
         default_model_state.get_rope_state = vllms_rope_state
 
 
-def prefill_batch(req_ids, prompt_lens) -> InputBatch:
-    """One step that schedules each prompt whole, as the runner schedules D3
-    prompts (the dummy batch splits its tokens evenly instead)."""
+def prefill_batch(req_ids, prompt_lens, computed=None) -> InputBatch:
+    """One step that schedules each prompt to its end, as the runner schedules
+    D3 prompts (the dummy batch splits its tokens evenly instead), after
+    ``computed[req_id]`` tokens found in the prefix cache (default none)."""
     lens = np.asarray(prompt_lens, dtype=np.int32)
+    hits = np.asarray([(computed or {}).get(r, 0) for r in req_ids], dtype=np.int32)
+    query_lens = lens - hits
     batch = InputBatch.make_dummy(
-        len(req_ids), int(lens.sum()), InputBuffers(8, 256, CPU)
+        len(req_ids), int(query_lens.sum()), InputBuffers(8, 256, CPU)
     )
     batch.req_ids[:] = req_ids
-    batch.num_scheduled_tokens[:] = lens
-    batch.query_start_loc_np[1:] = np.cumsum(lens)
+    batch.num_scheduled_tokens[:] = query_lens
+    batch.query_start_loc_np[1:] = np.cumsum(query_lens)
     batch.query_start_loc.copy_(torch.from_numpy(batch.query_start_loc_np))
     batch.seq_lens.copy_(torch.from_numpy(lens))
     batch.seq_lens_cpu_upper_bound.copy_(torch.from_numpy(lens))
-    batch.max_query_len = int(lens.max())
+    batch.max_query_len = int(query_lens.max())
     return batch
 
 
@@ -322,16 +326,25 @@ class GivenCheckpoints:
 
 
 def hybrid_metadata(
-    state, order, prompt_lens, slots, for_capture=False, checkpoints=None
+    state,
+    order,
+    prompt_lens,
+    slots,
+    for_capture=False,
+    checkpoints=None,
+    computed=None,
+    attention=True,
 ):
-    """prepare_attn over one prefill batch on the hybrid groups; row r's GDN
-    state slot is ``slots[r]``; ``checkpoints``: ``GivenCheckpoints``."""
+    """prepare_attn over one prefill batch on the hybrid groups (``attention=
+    False``: the Gated DeltaNet group alone, the full-attention metadata then
+    None); row r's GDN state slot is ``slots[r]``; ``checkpoints``:
+    ``GivenCheckpoints``; ``computed``: as ``prefill_batch`` takes it."""
     model_state, config = state
-    attention, gdn, groups, kv_cache_config = hybrid_groups(config)
+    attention_layers, gdn, groups, kv_cache_config = hybrid_groups(config)
     if checkpoints:
         builder = groups[1].get_metadata_builder(0)
         builder.checkpoint_builder = GivenCheckpoints(checkpoints)
-    batch = prefill_batch(order, prompt_lens)
+    batch = prefill_batch(order, prompt_lens, computed)
     batch.is_prefilling_np[:] = True
     with set_current_vllm_config(config):
         metadata = model_state.prepare_attn(
@@ -345,17 +358,18 @@ def hybrid_metadata(
                 ),
             ),
             torch.zeros(2, batch.num_tokens, dtype=torch.int64),
-            [[groups[0]], [groups[1]]],
+            [[groups[0]] if attention else [], [groups[1]]],
             kv_cache_config,
             for_capture=for_capture,
         )
-    return metadata[attention[0]], metadata[gdn[0]], gdn
+    return metadata.get(attention_layers[0]), metadata[gdn[0]], gdn
 
 
-def step_metadata(state, step=STEP, checkpoints=None):
+def step_metadata(state, step=STEP, checkpoints=None, computed=None, attention=True):
     """``hybrid_metadata`` over ``step``: each row ``(request, prompt length,
     extra, state slot)`` added to the model state as a new request, then
-    scheduled whole, in order."""
+    scheduled to its end, in order (after ``computed[request]`` cached
+    tokens); ``attention``: as ``hybrid_metadata`` takes it."""
     model_state, _ = state
     for index, (req_id, prompt_len, extra, _) in enumerate(step):
         model_state.add_request(index, new_request(req_id, prompt_len, extra))
@@ -365,6 +379,8 @@ def step_metadata(state, step=STEP, checkpoints=None):
         [prompt_len for _, prompt_len, _, _ in step],
         [slot for *_, slot in step],
         checkpoints=checkpoints,
+        computed=computed,
+        attention=attention,
     )
 
 

@@ -54,8 +54,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PackedRow:
-    """A packed row of the batch: its row, where its tokens start, and its
-    request's state and question blocks (prompt offsets)."""
+    """A packed row of the batch: its row, the batch index its prompt's first
+    token has (before the step's own tokens where the row's first tokens came
+    from the prefix cache, inside its state), and its request's state and
+    question blocks (prompt offsets)."""
 
     row: int
     token_start: int
@@ -296,11 +298,11 @@ def _reread_blocks(
 def _phase_a_lens(
     query_start_loc: np.ndarray, packed: Sequence[PackedRow]
 ) -> np.ndarray:
-    """(rows,) int64: how many of each row's tokens phase A scans (a packed
-    row's state block, any other row whole)."""
+    """(rows,) int64: how many of each row's tokens phase A scans (what the
+    step computes of a packed row's state block, any other row whole)."""
     lens_a = np.diff(query_start_loc).astype(np.int64)
     for p in packed:
-        lens_a[p.row] = p.block.state_tokens
+        lens_a[p.row] = p.token_start + p.block.state_tokens - query_start_loc[p.row]
     return lens_a
 
 
@@ -375,9 +377,10 @@ def step_phases(
     device: torch.device,
     checkpoints: Sequence[tuple[int, int]] = (),
 ) -> StepPhases:
-    """The phases of a step of ``len(seq_lens)`` fresh prefill rows, whose
-    packed rows are scheduled whole. Phase A's block table is each group's own
-    (set by ``packed_gdn_metadata``). With ``checkpoints``
+    """The phases of a step of ``len(seq_lens)`` prefill rows, whose packed
+    rows are scheduled to their ends (after a prefix-cache hit inside the
+    state, phase A continues the row's state from it). Phase A's state slots
+    are each group's own (set by ``packed_gdn_metadata``). With ``checkpoints``
     (``phase_a_checkpoints``) the step runs in two phases, and phase A first
     scans those rows up to their checkpoints."""
     reread = None if checkpoints else _reread_blocks(query_start_loc, seq_lens, packed)

@@ -170,13 +170,18 @@ class D3PrefixBidirModelState(MambaHybridModelState):
     def packed_rows(self, input_batch: InputBatch) -> list[PackedRow]:
         rows = []
         starts = input_batch.query_start_loc_np
+        seq_lens = input_batch.seq_lens_cpu_upper_bound
         for row, req_id in enumerate(input_batch.req_ids):
             block = self.state_blocks.get(req_id)
             if block is None or not block.packed:
                 continue
-            # Chunked prefill is off for prefix_bidir: a prompt runs whole.
-            assert starts[row + 1] - starts[row] == block.prompt_len
-            rows.append(PackedRow(row, int(starts[row]), block))
+            # A prompt runs to its end in one step (chunked prefill is off, and
+            # the state cache's scheduler never cuts one), after what it found
+            # in the prefix cache, which lies inside its state.
+            computed = block.prompt_len - int(starts[row + 1] - starts[row])
+            assert int(seq_lens[row]) == block.prompt_len
+            assert 0 <= computed < block.state_tokens
+            rows.append(PackedRow(row, int(starts[row]) - computed, block))
         return rows
 
     def prepare_attn(
