@@ -76,7 +76,10 @@ def step_mask(metadata: CommonAttentionMetadata) -> torch.Tensor:
     pieces = dense_pieces(metadata)
     assert pieces is not None
     device_metadata = D3DensePiecesMetadata.of(
-        pieces, metadata.num_actual_tokens, torch.device("cpu")
+        pieces,
+        metadata.num_actual_tokens,
+        torch.device("cpu"),
+        metadata.block_table_tensor,
     )
     return dense_pieces_mask(device_metadata)
 
@@ -96,13 +99,16 @@ def allowed(s: int, n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_pieces_give_exactly_the_prefix_bidir_mask(seed):
+    # Some rows found their first c tokens in the prefix cache (c < s): their
+    # queries c..n-1 read the keys of their whole prompt, in prompt order.
     rng = random.Random(seed)
-    rows = []
+    rows = [(9, 15, 4)]
     for _ in range(rng.randint(1, 6)):
         n = rng.randint(1, 60)
-        rows.append((rng.randint(1, n), n, 0))  # s == n: a prompt all state
+        s = rng.randint(1, n)  # s == n: a prompt all state
+        rows.append((s, n, rng.choice([0, rng.randrange(s)])))
     got = step_mask(batch(rows))
-    expected = expected_step_mask(rows, [allowed(s, n) for s, n, _ in rows])
+    expected = expected_step_mask(rows, [allowed(s, n)[c:] for s, n, c in rows])
     assert torch.equal(got, expected)
 
 
@@ -110,11 +116,59 @@ def test_two_passes_per_step():
     pieces = dense_pieces(batch([(4, 10, 0), (7, 7, 0), (3, 5, 0)]))
     assert pieces is not None
     # Every range over itself: [0, 4) [4, 10) | [10, 17) | [17, 20) [20, 22).
-    assert pieces.own_cu_seqlens.tolist() == [0, 4, 10, 17, 20, 22]
+    assert pieces.own_cu_seqlens_q.tolist() == [0, 4, 10, 17, 20, 22]
+    assert pieces.own_cu_seqlens_k.tolist() == [0, 4, 10, 17, 20, 22]
+    assert pieces.cached is None
     # Each row's question rows over its state, then its question keys skipped.
     assert pieces.question_tokens.tolist() == [4, 5, 6, 7, 8, 9, 20, 21]
     assert pieces.state_cu_seqlens_q.tolist() == [0, 6, 6, 6, 6, 8, 8]
     assert pieces.state_cu_seqlens_k.tolist() == [0, 4, 10, 17, 17, 20, 22]
+
+
+def test_cached_keys_are_laid_out_in_prompt_order():
+    # Row 0 found 3 tokens cached, row 1 none, row 2 found 2.
+    pieces = dense_pieces(batch([(4, 10, 3), (3, 5, 0), (6, 8, 2)]))
+    assert pieces is not None and pieces.cached is not None
+    # The step's 7 + 5 + 6 tokens, then the cached keys (indices 18 on).
+    assert pieces.cached.rows.tolist() == [0, 0, 0, 2, 2]
+    assert pieces.cached.positions.tolist() == [0, 1, 2, 0, 1]
+    assert pieces.cached.key_tokens.tolist() == [
+        *(18, 19, 20),
+        *range(0, 7),
+        *range(7, 12),
+        *(21, 22),
+        *range(12, 18),
+    ]
+    assert pieces.own_cu_seqlens_q.tolist() == [0, 1, 7, 10, 12, 16, 18]
+    assert pieces.own_cu_seqlens_k.tolist() == [0, 4, 10, 13, 15, 21, 23]
+
+
+def test_the_cached_keys_are_read_from_the_paged_cache():
+    from vllm_d3.v1.attention.backends.d3_prefix_bidir import with_cached_keys
+
+    # Triton's cache: 6 blocks of 4 tokens, 2 KV heads of 8, keys then values.
+    generator = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(6, 2, 4, 16, generator=generator)
+    block_table = torch.tensor([[5, 2, 0], [1, 3, 4]], dtype=torch.int32)
+    # Row 0: 6 cached tokens (blocks 5, then 2), 4 computed; row 1: 1 cached.
+    rows = [(8, 10, 6), (3, 4, 1)]
+    pieces = dense_pieces(batch(rows))
+    assert pieces is not None
+    metadata = D3DensePiecesMetadata.of(pieces, 7, torch.device("cpu"), block_table)
+    key = torch.randn(7, 2, 8, generator=generator)
+    value = torch.randn(7, 2, 8, generator=generator)
+    assert metadata.cached_keys is not None
+    keys, values = with_cached_keys(key, value, kv_cache, metadata.cached_keys, 8)
+
+    def cached(block: int, offset: int) -> torch.Tensor:
+        return kv_cache[block, :, offset]
+
+    prompt_0 = [cached(5, t) for t in range(4)] + [cached(2, t) for t in range(2)]
+    expected = torch.stack(
+        [*prompt_0, *(torch.cat([key[t], value[t]], -1) for t in range(4))]
+        + [cached(1, 0), *(torch.cat([key[t], value[t]], -1) for t in range(4, 7))]
+    )
+    assert torch.equal(torch.cat([keys, values], -1), expected)
 
 
 def test_the_query_bound_is_never_one():
@@ -133,7 +187,7 @@ def test_the_query_bound_is_never_one():
     ("rows", "ranges", "query_lens", "why"),
     [
         ([(4, 10, 0)], None, [6], "a prompt split across steps"),
-        ([(4, 10, 4)], None, None, "keys computed in an earlier step"),
+        ([(4, 10, 4)], None, None, "a row computed past its state before"),
         ([(4, 10, 0), (1, 8, 0)], {0: [(0, 3), (4, 9)]}, None, "a causal row"),
         ([(4, 10, 0), (1, 9, 8)], {0: [(0, 3), (4, 9)]}, None, "one causal query"),
         ([(4, 10, 0)], {0: [(0, 3), (5, 9)]}, None, "a gap between ranges"),

@@ -225,6 +225,17 @@ def prefix_bidir_mask(s: int, n: int) -> torch.Tensor:
     return mask
 
 
+def state_once_mask(s: int, ends: list[int]) -> torch.Tensor:
+    """A row of question blocks ending at ``ends`` after its state, written
+    independently: the state both ways, each question block the state and
+    itself both ways."""
+    mask = prefix_bidir_mask(s, ends[-1])
+    mask[s:, s:] = False
+    for start, end in zip([s, *ends], ends, strict=False):
+        mask[start:end, start:end] = True
+    return mask
+
+
 def test_ranges_reach_the_triton_builder(state):
     model_state, _ = state
     requests = {"a": (10, 4), "b": (7, 7), "c": (5, 1), "d": (9, 8)}
@@ -385,6 +396,29 @@ def test_a_packed_row_becomes_state_once_pieces_and_gdn_phases(state):
     mask = questions.metadata.prefill_has_initial_state
     assert mask is not questions.metadata.has_initial_state
     assert mask.device.type == "cpu" and mask.tolist() == [True, True, True]
+
+
+def test_a_packed_row_after_a_hit_reads_its_cached_keys(state):
+    # p found its first 3 tokens in the prefix cache: the step computes its
+    # tokens 3-19 (batch tokens 10-26), which read p's whole prompt's keys,
+    # the first 3 from the paged cache (p's attention block table row).
+    model_state, _ = state
+    full, scan, _ = step_metadata(state, computed={"p": 3})
+    cached = full.cached_keys
+    assert cached is not None
+    assert cached.rows.tolist() == [1, 1, 1]
+    assert cached.positions.tolist() == [0, 1, 2]
+    # Keys: a's 10, p's 3 cached then its 17, r's 14.
+    assert cached.key_tokens.tolist() == [*range(10), 41, 42, 43, *range(10, 41)]
+    a, p, r = (
+        state_once_mask(4, [10]),
+        state_once_mask(5, [9, 12, 20]),
+        state_once_mask(6, [10, 14]),
+    )
+    assert torch.equal(dense_pieces_mask(full), torch.block_diag(a, p[3:], r))
+    # Gated DeltaNet: phase A continues p's state from its slot (2 tokens).
+    assert scan.phase_a.non_spec_query_start_loc.tolist() == [0, 10, 12, 18]
+    assert scan.phase_a.has_initial_state.tolist() == [False, True, False]
 
 
 def test_phase_b_scans_a_bounded_number_of_questions_at_a_time(state, monkeypatch):

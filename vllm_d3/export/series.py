@@ -241,7 +241,10 @@ so a ranged row is computed whole in one step and its mask is two passes of
 plain non-causal attention over the step's own keys and values: every range
 (the state, each question block) over itself, and each row's question rows
 over its state, merged by log-sum-exp (merge_attn_states). The same two passes
-serve a row that packs several questions after one state.
+serve a row that packs several questions after one state, and a row whose
+first tokens (inside its state) came from the prefix cache, which the state
+cache will turn on: its cached keys and values are gathered from the paged
+cache into the passes' key layout, each row's keys in prompt order.
 
 D3_PREFIX_BIDIR, a composite of ranged Triton and a Triton-layout child whose
 builder turns a batch of whole ranged rows into the two passes' cu_seqlens and

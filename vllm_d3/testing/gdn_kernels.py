@@ -210,8 +210,6 @@ def run_case(
             case["step"],
             checkpoints=case.get("checkpoints"),
             computed=case.get("computed"),
-            # The layer alone runs: its group's metadata is all it reads.
-            attention=False,
         )
         layer = config.compilation_config.static_forward_context[gdn[0]]
         assert isinstance(layer, QwenGatedDeltaNetAttention)

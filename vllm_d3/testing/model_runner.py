@@ -333,14 +333,12 @@ def hybrid_metadata(
     for_capture=False,
     checkpoints=None,
     computed=None,
-    attention=True,
 ):
-    """prepare_attn over one prefill batch on the hybrid groups (``attention=
-    False``: the Gated DeltaNet group alone, the full-attention metadata then
-    None); row r's GDN state slot is ``slots[r]``; ``checkpoints``:
-    ``GivenCheckpoints``; ``computed``: as ``prefill_batch`` takes it."""
+    """prepare_attn over one prefill batch on the hybrid groups; row r's GDN
+    state slot is ``slots[r]``; ``checkpoints``: ``GivenCheckpoints``;
+    ``computed``: as ``prefill_batch`` takes it."""
     model_state, config = state
-    attention_layers, gdn, groups, kv_cache_config = hybrid_groups(config)
+    attention, gdn, groups, kv_cache_config = hybrid_groups(config)
     if checkpoints:
         builder = groups[1].get_metadata_builder(0)
         builder.checkpoint_builder = GivenCheckpoints(checkpoints)
@@ -358,18 +356,18 @@ def hybrid_metadata(
                 ),
             ),
             torch.zeros(2, batch.num_tokens, dtype=torch.int64),
-            [[groups[0]] if attention else [], [groups[1]]],
+            [[groups[0]], [groups[1]]],
             kv_cache_config,
             for_capture=for_capture,
         )
-    return metadata.get(attention_layers[0]), metadata[gdn[0]], gdn
+    return metadata[attention[0]], metadata[gdn[0]], gdn
 
 
-def step_metadata(state, step=STEP, checkpoints=None, computed=None, attention=True):
+def step_metadata(state, step=STEP, checkpoints=None, computed=None):
     """``hybrid_metadata`` over ``step``: each row ``(request, prompt length,
     extra, state slot)`` added to the model state as a new request, then
     scheduled to its end, in order (after ``computed[request]`` cached
-    tokens); ``attention``: as ``hybrid_metadata`` takes it."""
+    tokens)."""
     model_state, _ = state
     for index, (req_id, prompt_len, extra, _) in enumerate(step):
         model_state.add_request(index, new_request(req_id, prompt_len, extra))
@@ -380,19 +378,22 @@ def step_metadata(state, step=STEP, checkpoints=None, computed=None, attention=T
         [slot for *_, slot in step],
         checkpoints=checkpoints,
         computed=computed,
-        attention=attention,
     )
 
 
 def dense_pieces_mask(metadata: D3DensePiecesMetadata) -> torch.Tensor:
-    """(tokens, tokens) bool: which keys each query of the step reads."""
+    """(tokens, keys) bool: which keys each query of the step reads (the keys
+    in the passes' layout: the step's tokens, or each row's prompt in order
+    where some came from the prefix cache)."""
     num_tokens = metadata.num_actual_tokens
-    mask = torch.zeros(num_tokens, num_tokens, dtype=torch.bool)
-    own = metadata.own_keys.cu_seqlens_q.cpu().tolist()
-    assert own == metadata.own_keys.cu_seqlens_k.cpu().tolist()
-    assert own[0] == 0 and own[-1] == num_tokens
-    for a, b in itertools.pairwise(own):
-        mask[a:b, a:b] = True
+    own_q = metadata.own_keys.cu_seqlens_q.cpu().tolist()
+    own_k = metadata.own_keys.cu_seqlens_k.cpu().tolist()
+    assert own_q[0] == own_k[0] == 0 and own_q[-1] == num_tokens
+    mask = torch.zeros(num_tokens, own_k[-1], dtype=torch.bool)
+    for (a, b), (c, d) in zip(
+        itertools.pairwise(own_q), itertools.pairwise(own_k), strict=True
+    ):
+        mask[a:b, c:d] = True
     questions = metadata.question_tokens.cpu()
     state = metadata.state_keys
     cu_q, cu_k = state.cu_seqlens_q.cpu().tolist(), state.cu_seqlens_k.cpu().tolist()

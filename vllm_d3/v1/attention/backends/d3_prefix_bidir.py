@@ -4,11 +4,14 @@
 (upstream: ``v1/attention/backends/d3_prefix_bidir.py``, a new file).
 
 A prefix_bidir row's ranges (``mm_req_doc_ranges``) are its state, then one
-block per question; with chunked prefill and prefix caching refused, a row is
-computed whole in one step, so its mask is two passes of non-causal attention
-over the step's own keys: every range over itself, and each row's question
-rows over its state, merged by log-sum-exp. ``dense_pieces`` finds the passes
-(None where a batch has none: a row split across steps, a causal row), the
+block per question; a row is computed to its end in one step (chunked prefill
+is refused; a prefix-cache hit lies inside the state), so its mask is two
+passes of non-causal attention over the row's keys: every range over itself,
+and each row's question rows over its state, merged by log-sum-exp. The keys
+are the step's own, and where a row's first tokens came from the prefix
+cache, theirs from the paged cache (``CachedKeys``, gathered by
+``with_cached_keys``). ``dense_pieces`` finds the passes (None where a batch
+has none: a row split across steps, a causal row), the
 composite ``D3PrefixBidirAttentionBackend`` runs them on the kernel the config
 hook chose (``d3_dense_kernels``) and anything else on vLLM's ranged Triton;
 a packed row there is refused (``PackedRowError``). ``check_dense_kernel`` is
@@ -64,19 +67,37 @@ logger = init_logger(f"vllm.{__name__}")
 
 
 @dataclass(frozen=True)
-class DensePieces:
-    """A batch's two passes (module docstring), on the host."""
+class CachedKeys:
+    """The keys of a batch's rows whose first tokens came from the prefix
+    cache, on the host: each such key's row and prompt position, and the key
+    layout of the passes (each row's keys in prompt order, rows in batch
+    order) as indices into the step's keys followed by the cached ones."""
 
-    own_cu_seqlens: np.ndarray
-    """(num_ranges + 1,) int32: every range of every row, over its own keys."""
+    rows: np.ndarray
+    positions: np.ndarray
+    key_tokens: np.ndarray
+
+
+@dataclass(frozen=True)
+class DensePieces:
+    """A batch's two passes (module docstring), on the host. Keys are counted
+    in the key layout: the step's tokens, or ``cached.key_tokens``."""
+
+    own_cu_seqlens_q: np.ndarray
+    """(num_ranges + 1,) int32 over the batch's tokens: every range of every
+    row (what the step computes of it)."""
+    own_cu_seqlens_k: np.ndarray
+    """(num_ranges + 1,) int32 over the keys: every range of every row."""
     state_cu_seqlens_q: np.ndarray
     """(2 * rows + 1,) int32 over ``question_tokens``: each row's question rows,
     then none (the sequence that steps over its question keys)."""
     state_cu_seqlens_k: np.ndarray
-    """(2 * rows + 1,) int32 over the batch's tokens: each row's state keys, then
-    its question keys (read by no query)."""
+    """(2 * rows + 1,) int32 over the keys: each row's state keys, then its
+    question keys (read by no query)."""
     question_tokens: np.ndarray
     """(num_question_tokens,) int64, the batch's question tokens in order."""
+    cached: CachedKeys | None = None
+    """Where any row's first keys are in the paged cache."""
 
 
 class PackedRowError(RuntimeError):
@@ -112,33 +133,58 @@ def dense_pieces(metadata: CommonAttentionMetadata) -> DensePieces | None:
     # Exact for prefill rows, the only rows that carry ranges.
     assert metadata.seq_lens_cpu_upper_bound is not None
     seq_lens = metadata.seq_lens_cpu_upper_bound.numpy()
-    own_ends: list[int] = [0]
-    state_q: list[int] = [0]
-    state_k: list[int] = [0]
+    num_tokens = int(starts[metadata.num_reqs])
+    own_q, own_k, state_q, state_k = [0], [0], [0], [0]
     questions: list[np.ndarray] = []
+    cached_rows: list[np.ndarray] = []
+    cached_positions: list[np.ndarray] = []
+    key_tokens: list[np.ndarray] = []
     for row in range(metadata.num_reqs):
         begin = int(starts[row])
         query_len = int(starts[row + 1]) - begin
         if query_len == 0:
             continue
+        seq_len = int(seq_lens[row])
+        computed = seq_len - query_len
         spans = _spans(ranges, row)
-        # Keys from an earlier step, or a row that is not prefix_bidir.
-        if query_len != int(seq_lens[row]) or not _tiled_spans(spans, query_len):
+        # A row that is not prefix_bidir, or one computed past its state in
+        # an earlier step.
+        if not _tiled_spans(spans, seq_len) or computed > spans[0][1]:
             return None
-        own_ends.extend(begin + end + 1 for _, end in spans)
-        state_end = begin + spans[0][1] + 1
-        num_questions = begin + query_len - state_end
-        state_q.extend((state_q[-1] + num_questions,) * 2)
-        state_k.extend((state_end, begin + query_len))
-        questions.append(np.arange(state_end, begin + query_len))
-    if len(own_ends) == 1:
+        # The row's prompt position 0 among the step's tokens and the keys.
+        first_query, first_key = begin - computed, own_k[-1]
+        own_q.extend(first_query + end + 1 for _, end in spans)
+        own_k.extend(first_key + end + 1 for _, end in spans)
+        state_end = spans[0][1] + 1
+        state_q.extend((state_q[-1] + seq_len - state_end,) * 2)
+        state_k.extend((first_key + state_end, first_key + seq_len))
+        questions.append(np.arange(first_query + state_end, begin + query_len))
+        num_cached = sum(len(p) for p in cached_positions)
+        key_tokens.append(num_tokens + num_cached + np.arange(computed))
+        key_tokens.append(np.arange(begin, begin + query_len))
+        cached_rows.append(np.full(computed, row))
+        cached_positions.append(np.arange(computed))
+    if len(own_q) == 1:
         return None
+    cached = None
+    if any(len(p) for p in cached_positions):
+        cached = CachedKeys(
+            rows=np.concatenate(cached_rows).astype(np.int64),
+            positions=np.concatenate(cached_positions).astype(np.int64),
+            key_tokens=np.concatenate(key_tokens).astype(np.int64),
+        )
     return DensePieces(
-        own_cu_seqlens=np.asarray(own_ends, dtype=np.int32),
+        own_cu_seqlens_q=np.asarray(own_q, dtype=np.int32),
+        own_cu_seqlens_k=np.asarray(own_k, dtype=np.int32),
         state_cu_seqlens_q=np.asarray(state_q, dtype=np.int32),
         state_cu_seqlens_k=np.asarray(state_k, dtype=np.int32),
         question_tokens=np.concatenate(questions).astype(np.int64),
+        cached=cached,
     )
+
+
+def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -152,18 +198,25 @@ class Pass:
 
     @classmethod
     def of(cls, cu_q: np.ndarray, cu_k: np.ndarray, device: torch.device) -> "Pass":
-        def to_device(cu: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(cu).to(device, non_blocking=True)
-
         return cls(
-            to_device(cu_q),
-            to_device(cu_k),
+            _on_device(cu_q, device),
+            _on_device(cu_k, device),
             # At least 2: PyTorch's flash attention takes a bound of 1 to mean
             # one query in every sequence and regroups the query heads so,
             # which the sequences without queries break.
             max(int(np.diff(cu_q).max()), 2),
             int(np.diff(cu_k).max()),
         )
+
+
+@dataclass
+class CachedKeysOnDevice:
+    """``CachedKeys`` on the device, with the batch's block table."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    key_tokens: torch.Tensor
+    block_table: torch.Tensor
 
 
 @dataclass
@@ -175,22 +228,60 @@ class D3DensePiecesMetadata:
     own_keys: Pass
     state_keys: Pass
     question_tokens: torch.Tensor
+    cached_keys: CachedKeysOnDevice | None = None
 
     @classmethod
     def of(
-        cls, pieces: DensePieces, num_tokens: int, device: torch.device
+        cls,
+        pieces: DensePieces,
+        num_tokens: int,
+        device: torch.device,
+        block_table: torch.Tensor | None = None,
     ) -> "D3DensePiecesMetadata":
-        own = pieces.own_cu_seqlens
+        """``pieces`` on ``device``; ``block_table``: the batch's, where
+        ``pieces`` has cached keys."""
+        cached_keys = None
+        if pieces.cached is not None:
+            assert block_table is not None, "cached keys need the block table"
+            cached = pieces.cached
+            cached_keys = CachedKeysOnDevice(
+                rows=_on_device(cached.rows, device),
+                positions=_on_device(cached.positions, device),
+                key_tokens=_on_device(cached.key_tokens, device),
+                block_table=block_table,
+            )
         return cls(
             num_actual_tokens=num_tokens,
-            own_keys=Pass.of(own, own, device),
+            own_keys=Pass.of(pieces.own_cu_seqlens_q, pieces.own_cu_seqlens_k, device),
             state_keys=Pass.of(
                 pieces.state_cu_seqlens_q, pieces.state_cu_seqlens_k, device
             ),
-            question_tokens=torch.from_numpy(pieces.question_tokens).to(
-                device, non_blocking=True
-            ),
+            question_tokens=_on_device(pieces.question_tokens, device),
+            cached_keys=cached_keys,
         )
+
+
+def with_cached_keys(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cached: CachedKeysOnDevice,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The passes' keys and values: the step's ``key`` and ``value`` and the
+    cached ones, read from ``kv_cache`` (Triton's, logical shape (blocks, KV
+    heads, block size, 2 * head size)), in the key layout."""
+    block_size = kv_cache.shape[2]
+    blocks = cached.block_table[cached.rows, cached.positions // block_size]
+    # Indices on either side of a slice: the (cached token, KV head, 2 * head
+    # size) entries.
+    entries = kv_cache[blocks.long(), :, cached.positions % block_size]
+    cached_key, cached_value = entries.split(head_size, dim=-1)
+    tokens = cached.key_tokens
+    return (
+        torch.cat([key, cached_key]).index_select(0, tokens),
+        torch.cat([value, cached_value]).index_select(0, tokens),
+    )
 
 
 def run_dense_pieces(
@@ -260,6 +351,7 @@ class D3DensePiecesMetadataBuilder(TritonAttentionMetadataBuilder):
             pieces,
             common_attn_metadata.num_actual_tokens,
             common_attn_metadata.query_start_loc.device,
+            common_attn_metadata.block_table_tensor,
         )
 
 
@@ -311,11 +403,16 @@ class D3DensePiecesImpl(TritonAttentionImpl):
             )
         self._check_supported(output_scale, output_block_scale)
         num_tokens = attn_metadata.num_actual_tokens
+        key, value = key[:num_tokens], value[:num_tokens]
+        if attn_metadata.cached_keys is not None:
+            key, value = with_cached_keys(
+                key, value, kv_cache, attn_metadata.cached_keys, self.head_size
+            )
         run_dense_pieces(
             self.dense_kernel,
             query[:num_tokens],
-            key[:num_tokens],
-            value[:num_tokens],
+            key,
+            value,
             attn_metadata,
             self.scale,
             output[:num_tokens],
