@@ -133,12 +133,11 @@ def dense_pieces(metadata: CommonAttentionMetadata) -> DensePieces | None:
     # Exact for prefill rows, the only rows that carry ranges.
     assert metadata.seq_lens_cpu_upper_bound is not None
     seq_lens = metadata.seq_lens_cpu_upper_bound.numpy()
-    num_tokens = int(starts[metadata.num_reqs])
     own_q, own_k, state_q, state_k = [0], [0], [0], [0]
     questions: list[np.ndarray] = []
-    cached_rows: list[np.ndarray] = []
-    cached_positions: list[np.ndarray] = []
-    key_tokens: list[np.ndarray] = []
+    # (row, its first token in the step, its tokens in the step, its tokens
+    # computed before the step)
+    rows: list[tuple[int, int, int, int]] = []
     for row in range(metadata.num_reqs):
         begin = int(starts[row])
         query_len = int(starts[row + 1]) - begin
@@ -159,20 +158,12 @@ def dense_pieces(metadata: CommonAttentionMetadata) -> DensePieces | None:
         state_q.extend((state_q[-1] + seq_len - state_end,) * 2)
         state_k.extend((first_key + state_end, first_key + seq_len))
         questions.append(np.arange(first_query + state_end, begin + query_len))
-        num_cached = sum(len(p) for p in cached_positions)
-        key_tokens.append(num_tokens + num_cached + np.arange(computed))
-        key_tokens.append(np.arange(begin, begin + query_len))
-        cached_rows.append(np.full(computed, row))
-        cached_positions.append(np.arange(computed))
+        rows.append((row, begin, query_len, computed))
     if len(own_q) == 1:
         return None
     cached = None
-    if any(len(p) for p in cached_positions):
-        cached = CachedKeys(
-            rows=np.concatenate(cached_rows).astype(np.int64),
-            positions=np.concatenate(cached_positions).astype(np.int64),
-            key_tokens=np.concatenate(key_tokens).astype(np.int64),
-        )
+    if any(computed for *_, computed in rows):
+        cached = _cached_keys(rows, int(starts[metadata.num_reqs]))
     return DensePieces(
         own_cu_seqlens_q=np.asarray(own_q, dtype=np.int32),
         own_cu_seqlens_k=np.asarray(own_k, dtype=np.int32),
@@ -180,6 +171,27 @@ def dense_pieces(metadata: CommonAttentionMetadata) -> DensePieces | None:
         state_cu_seqlens_k=np.asarray(state_k, dtype=np.int32),
         question_tokens=np.concatenate(questions).astype(np.int64),
         cached=cached,
+    )
+
+
+def _cached_keys(rows: list[tuple[int, int, int, int]], num_tokens: int) -> CachedKeys:
+    """``CachedKeys`` of a step of ``num_tokens`` tokens over ``rows``: (row,
+    its first token in the step, its tokens in the step, its tokens computed
+    before the step), each row's cached keys placed after the step's."""
+    computed = np.asarray([c for *_, c in rows], dtype=np.int64)
+    cached_starts = num_tokens + np.cumsum(computed) - computed
+    key_tokens = [
+        segment
+        for (_, begin, query_len, c), start in zip(rows, cached_starts, strict=True)
+        for segment in (
+            np.arange(start, start + c),
+            np.arange(begin, begin + query_len),
+        )
+    ]
+    return CachedKeys(
+        rows=np.repeat(np.asarray([row for row, *_ in rows], dtype=np.int64), computed),
+        positions=np.concatenate([np.arange(c) for c in computed]).astype(np.int64),
+        key_tokens=np.concatenate(key_tokens).astype(np.int64),
     )
 
 
