@@ -28,7 +28,7 @@ long states):
   '{"d3_state_once": false}'``), whose answers the default server's must meet
   within ``STATE_ONCE_TOLERANCE`` (the same engine, the state read once or once
   per question);
-- ``--enable-prefix-caching`` on the prefix_bidir checkpoint (must be refused);
+- ``--enable-chunked-prefill`` on the prefix_bidir checkpoint (must be refused);
 - the causal and noncausal checkpoints in process against their own mode.
 
 It writes ``DIR/results.json`` and ``DIR/validation.md`` (generated from the run,
@@ -708,9 +708,9 @@ def sdk_sets(sets: dict[str, list[dict]]) -> list[str]:
     return [*images, longest]
 
 
-def prefix_caching_refused(checkpoint: str, work: Path) -> dict:
+def chunked_prefill_refused(checkpoint: str, work: Path) -> dict:
     with Server(
-        checkpoint, "--enable-prefix-caching", log_file=work / "serve-pc.log"
+        checkpoint, "--enable-chunked-prefill", log_file=work / "serve-cp.log"
     ) as server:
         refused = False
         try:
@@ -722,7 +722,7 @@ def prefix_caching_refused(checkpoint: str, work: Path) -> dict:
     text = server.log_file.read_text()
     return {
         "refused": refused,
-        "message_present": "do not support prefix caching" in text,
+        "message_present": "do not support chunked prefill" in text,
     }
 
 
@@ -847,7 +847,7 @@ def report(results: dict, command: str, section: str | None = None) -> str:
     for table, rows in results["tables"].items():
         lines += [f"{head}# {table}", "", *_table(list(rows.items()), table), ""]
     missing = [t for t in EXPECTED_TABLES if t not in results["tables"]]
-    missing += [] if "prefix_caching" in results else ["--enable-prefix-caching"]
+    missing += [] if "chunked_prefill" in results else ["--enable-chunked-prefill"]
     if missing:
         lines += [
             f"{head}# Not measured in this run",
@@ -872,11 +872,11 @@ def report(results: dict, command: str, section: str | None = None) -> str:
     http = results.get("http")
     if http:
         lines += _http_lines(http, head)
-    if "prefix_caching" in results:
+    if "chunked_prefill" in results:
         lines += [
-            f"{head}# --enable-prefix-caching",
+            f"{head}# --enable-chunked-prefill",
             "",
-            f"Refused at start-up: {results['prefix_caching']}",
+            f"Refused at start-up: {results['chunked_prefill']}",
             "",
         ]
     return "\n".join(lines)
@@ -1170,7 +1170,7 @@ def run(
         ref_mode = reference(f"{mode} checkpoint")
         _add_mode_table(results, mode, job, ref_mode, short_text)
         save()
-    results["prefix_caching"] = prefix_caching_refused(main, work)
+    results["chunked_prefill"] = chunked_prefill_refused(main, work)
     save()
     on_gpu = answers["reference on gpu"] = reference("prefix_bidir on the GPU")
     results["tables"][GPU_CHECK_TABLE] = _compare_sets(ref, on_gpu, short_text)

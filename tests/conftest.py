@@ -88,3 +88,16 @@ def process_group():
 
     with single_process_group():
         yield
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A Hopper GPU with vLLM's FlashAttention 3, where the dense-piece kernels
+    were validated (no start-up check)."""
+    from vllm_d3.testing.platforms import fake_gpu
+    from vllm_d3.v1.attention.backends import d3_dense_kernels
+
+    fake_gpu(monkeypatch, "Hopper")
+    monkeypatch.setattr(
+        d3_dense_kernels, "check_kernels", lambda names: pytest.fail("checked")
+    )

@@ -83,7 +83,7 @@ def test_report_verdicts_and_missing_tables():
     assert "| image | 1 | 1 (0) | 0.4000 | 0.4000 | 0.4000 | NO |" in text
     assert "| clearly wrong |" in text
     assert "- causal checkpoint, in process" in text
-    assert "- --enable-prefix-caching" in text
+    assert "- --enable-chunked-prefill" in text
     assert "## Failures" not in text
     results["failures"] = {"causal checkpoint, in process": "exited with 1"}
     assert "- causal checkpoint, in process: exited with 1" in report(results, "cmd")

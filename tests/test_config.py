@@ -147,16 +147,9 @@ def test_model_runner_v1_is_refused(make_checkpoint, monkeypatch):
     engine_config(make_checkpoint(attention_mode="causal", weights=False))
 
 
-@pytest.mark.parametrize(
-    ("option", "message"),
-    [
-        ("enable_prefix_caching", "prefix caching"),
-        ("enable_chunked_prefill", "chunked prefill"),
-    ],
-)
-def test_prefix_bidir_refuses_caching_and_chunking(make_checkpoint, option, message):
-    with pytest.raises(ValueError, match=message):
-        engine_config(make_checkpoint(weights=False), **{option: True})
+def test_prefix_bidir_refuses_chunked_prefill(make_checkpoint):
+    with pytest.raises(ValueError, match="do not support chunked prefill"):
+        engine_config(make_checkpoint(weights=False), enable_chunked_prefill=True)
 
 
 def test_prefix_bidir_refuses_pipeline_parallelism(make_checkpoint):

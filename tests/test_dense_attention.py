@@ -19,13 +19,13 @@ import pytest
 import torch
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
-from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
 from vllm.plugins import load_general_plugins
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
 from vllm_d3.testing.model_runner import dense_pieces_mask
+from vllm_d3.testing.platforms import fake_gpu
 from vllm_d3.v1.attention.backends import d3_dense_kernels, d3_prefix_bidir
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3DensePiecesBackend,
@@ -257,47 +257,6 @@ def hook_log(monkeypatch):
     lines: list[str] = []
     monkeypatch.setattr(hook.logger, "info", lambda msg, *a: lines.append(msg % a))
     return lines
-
-
-#: (platform enum, compute capability) of each family the kernels know.
-FAMILIES = {
-    "Hopper": (PlatformEnum.CUDA, DeviceCapability(9, 0)),
-    "Blackwell": (PlatformEnum.CUDA, DeviceCapability(10, 0)),
-    "Ampere/Ada": (PlatformEnum.CUDA, DeviceCapability(8, 9)),
-    "ROCm": (PlatformEnum.ROCM, DeviceCapability(9, 4)),
-    "another CUDA GPU": (PlatformEnum.CUDA, DeviceCapability(7, 5)),
-}
-
-
-def fake_gpu(monkeypatch, family: str) -> None:
-    """The kernels see a GPU of ``family`` through vLLM's ``Platform``, with
-    vLLM's FlashAttention extensions and Triton present."""
-    enum, capability = FAMILIES[family]
-
-    class FakePlatform(Platform):
-        _enum = enum
-
-        @classmethod
-        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
-            return capability
-
-    monkeypatch.setattr(d3_dense_kernels, "current_platform", FakePlatform())
-    interface = types.SimpleNamespace(FA2_AVAILABLE=True, FA3_AVAILABLE=True)
-    package = types.SimpleNamespace(flash_attn_interface=interface)
-    package_name = "vllm.vllm_flash_attn"
-    monkeypatch.setitem(sys.modules, package_name, package)
-    monkeypatch.setitem(sys.modules, f"{package_name}.flash_attn_interface", interface)
-    monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", True)
-
-
-@pytest.fixture
-def hopper(monkeypatch):
-    """A Hopper GPU with vLLM's FlashAttention 3, where the kernels were
-    validated (no start-up check)."""
-    fake_gpu(monkeypatch, "Hopper")
-    monkeypatch.setattr(
-        d3_dense_kernels, "check_kernels", lambda names: pytest.fail("checked")
-    )
 
 
 @pytest.fixture

@@ -138,15 +138,32 @@ def diffs() -> list[Diff]:
     return [c for patch in SERIES for c in patch.changes if isinstance(c, Diff)]
 
 
-def test_each_diff_changes_vllms_own_files_only():
+def test_each_diff_changes_vllms_files_or_an_earlier_commits():
     installed = installed_vllm()
+    added: set[str] = set()
     assert diffs()
-    for diff in diffs():
-        text = diff.path.read_text()
-        assert "new file mode" not in text and "deleted file mode" not in text
-        assert diff.files()
-        for path in diff.files():
-            assert (installed / path.removeprefix("vllm/")).is_file(), path
+    for patch in SERIES:
+        for change in patch.changes:
+            if isinstance(change, NewFile):
+                added.add(change.path)
+                continue
+            text = change.path.read_text()
+            assert "new file mode" not in text and "deleted file mode" not in text
+            assert change.files()
+            for path in change.files():
+                own = (installed / path.removeprefix("vllm/")).is_file()
+                assert own or path in added, path
+
+
+def test_a_file_a_later_diff_changes_is_added_as_it_was_before(series_repo):
+    # The contract module as the first commit adds it refuses prefix caching;
+    # the state cache's commit lifts that, leaving the module's own text.
+    path = "vllm/model_executor/models/d3_contract.py"
+    first = git(series_repo, "show", f"HEAD~{len(SERIES) - 1}:{path}")
+    last = git(series_repo, "show", f"HEAD:{path}")
+    assert "do not support prefix caching yet" in first
+    assert last == NewFile("model_executor/models/d3_contract.py").text()
+    assert "prefix caching yet" not in last
 
 
 def test_a_test_left_for_a_later_commit_runs_once_that_commit_is_in():

@@ -16,6 +16,7 @@ prompt is cut.
 
 import pytest
 import torch
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.generate.base.protocol import validate_cache_salt
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
@@ -34,8 +35,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
+from vllm_d3.v1.core import d3_state_cache
 from vllm_d3.v1.core.d3_state_cache import request_state_tokens, state_hit_limit
-from vllm_d3.v1.core.sched.scheduler import D3AsyncScheduler, D3Scheduler
 
 BLOCK = 16
 #: The first request: a 40-token state (its last whole block ends at 32)
@@ -76,11 +77,13 @@ def d3_request(
     questions: list[int],
     *,
     keyed: bool = True,
+    state_size: bool = True,
     user_salt: str | None = None,
     image: tuple[str, PlaceholderRange] | None = IMAGE,
 ) -> Request:
     """A prefix_bidir request ``state || questions``, keyed by its whole state
-    (or, ``keyed=False``, by vLLM's hashes alone)."""
+    (or, ``keyed=False``, by vLLM's hashes alone) and carrying its state block
+    size (unless ``state_size=False``)."""
     media = [] if image is None else [image[0]]
     salt = state_cache_salt(user_salt, state, media) if keyed else user_salt
     features = None
@@ -90,7 +93,10 @@ def d3_request(
         request_id,
         state + questions,
         None,
-        PoolingParams(task="classify", extra_kwargs={"d3_state_tokens": len(state)}),
+        PoolingParams(
+            task="classify",
+            extra_kwargs={"d3_state_tokens": len(state)} if state_size else None,
+        ),
         mm_features=features,
         cache_salt=salt,
         block_hasher=get_request_block_hasher(BLOCK, sha256),
@@ -240,42 +246,118 @@ def test_the_hit_limit(state_tokens: int, num_tokens: int, limit: int):
     assert state_hit_limit(state_tokens, num_tokens) == limit
 
 
-def test_prefix_caching_puts_the_gdn_cache_in_align_mode(make_checkpoint):
-    # What the scheduling must work with, shown on the causal sibling (the
-    # plugin's hooks off): prefix caching keeps Gated DeltaNet states on block
-    # boundaries, and vLLM then requires chunked prefill, which the scheduler
-    # splits at those boundaries.
-    model = make_checkpoint(attention_mode="causal", weights=False)
-    config = EngineArgs(model=model, enable_prefix_caching=True).create_engine_config()
-    assert config.cache_config.mamba_cache_mode == "align"
-    assert config.cache_config.mamba_block_size == config.cache_config.block_size
-    assert config.scheduler_config.enable_chunked_prefill
-    unchunked = EngineArgs(
-        model=model, enable_prefix_caching=True, enable_chunked_prefill=False
-    )
-    # vLLM asserts it inside its config validation, which reports a ValueError.
-    with pytest.raises(ValueError, match="Chunked prefill is required"):
-        unchunked.create_engine_config()
+def state_cache_config(model: str, **kwargs) -> VllmConfig:
+    """The engine config of ``vllm serve model --enable-prefix-caching``."""
+    return EngineArgs(
+        model=model, enable_prefix_caching=True, **kwargs
+    ).create_engine_config()
 
 
 @pytest.fixture
-def make_scheduler(make_checkpoint):
-    """A scheduler of vLLM's over the hybrid cache, with prefix caching on, a
-    64-token budget and async scheduling off; the engine config is the causal
-    sibling's (the same hybrid model), which vLLM accepts with prefix caching."""
-    config = EngineArgs(
-        model=make_checkpoint(attention_mode="causal", weights=False),
-        enable_prefix_caching=True,
-        max_num_batched_tokens=64,
-        max_model_len=256,
-        block_size=BLOCK,
-        async_scheduling=False,
-    ).create_engine_config()
-    config.cache_config.num_gpu_blocks = 64
+def log(monkeypatch) -> list[str]:
+    """The state cache's INFO lines."""
+    lines: list[str] = []
+    monkeypatch.setattr(
+        d3_state_cache.logger, "info", lambda msg, *a: lines.append(msg % a)
+    )
+    return lines
+
+
+def test_prefix_caching_is_served_as_the_state_cache(make_checkpoint, hopper, log):
+    model = make_checkpoint(weights=False)
+    config = state_cache_config(model)
+    cache, scheduler = config.cache_config, config.scheduler_config
+    # vLLM's prefix caching of a hybrid model: Gated DeltaNet states on block
+    # boundaries (align mode), which needs chunked prefill on ...
+    assert cache.mamba_cache_mode == "align"
+    assert cache.mamba_block_size == cache.block_size
+    assert scheduler.enable_chunked_prefill
+    # ... while a step still holds a whole prompt, which is never cut.
+    assert scheduler.max_num_batched_tokens >= config.model_config.max_model_len
+    assert "states cached across requests" in log[-1]
+    # Control: by default nothing is cached, and the log says so.
+    default = EngineArgs(model=model).create_engine_config()
+    assert not default.cache_config.enable_prefix_caching
+    assert default.cache_config.mamba_cache_mode == "none"
+    assert not default.scheduler_config.enable_chunked_prefill
+    assert "states are not cached across requests" in log[-1]
+
+
+@pytest.mark.parametrize(
+    ("additional", "reason"),
+    [
+        ({"d3_state_once": False}, "one engine request per question"),
+        ({"gdn_prefill_backend": "flashinfer"}, "--gdn-prefill-backend flashinfer"),
+    ],
+)
+def test_what_the_state_cache_cannot_run_with_is_refused(
+    make_checkpoint, hopper, additional, reason
+):
+    model = make_checkpoint(weights=False)
+    with pytest.raises(ValueError, match=f"--enable-prefix-caching .*{reason}"):
+        state_cache_config(model, additional_config=dict(additional))
+    # Control: without prefix caching the same settings serve.
+    EngineArgs(model=model, additional_config=dict(additional)).create_engine_config()
+
+
+def test_a_kv_connector_is_refused(make_checkpoint, hopper):
+    # vLLM 0.33.0 builds no KV connector on a machine without GPUs, so the
+    # hook is called on a config that names one.
+    config = state_cache_config(make_checkpoint(weights=False))
+    d3_state_cache.select_state_cache(config)
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_both"
+    )
+    with pytest.raises(ValueError, match="KV connector"):
+        d3_state_cache.select_state_cache(config)
+
+
+def test_chunked_prefill_stays_refused(make_checkpoint, hopper):
+    with pytest.raises(ValueError, match="--enable-chunked-prefill"):
+        state_cache_config(make_checkpoint(weights=False), enable_chunked_prefill=True)
+
+
+@pytest.mark.plugin
+@pytest.mark.parametrize("async_scheduling", [None, False, True])
+def test_the_plugin_serves_the_state_cache_with_its_scheduler(
+    make_checkpoint, hopper, async_scheduling
+):
+    from vllm_d3.v1.core.sched.scheduler import D3AsyncScheduler, D3Scheduler
+
+    model = make_checkpoint(weights=False)
+    config = state_cache_config(model, async_scheduling=async_scheduling)
+    # The kind asked for (a pooling model's async scheduling is off unless
+    # asked for; of vLLM's platforms only the CPU's turns it off afterwards).
+    served = D3AsyncScheduler if async_scheduling else D3Scheduler
+    assert config.scheduler_config.get_scheduler_cls() is served
+    # A scheduler of the user's serves if it is one of them.
+    mine = type("Mine", (D3Scheduler,), {})
+    config = state_cache_config(model, scheduler_cls=mine)
+    assert config.scheduler_config.get_scheduler_cls() is mine
+    with pytest.raises(ValueError, match="--scheduler-cls Scheduler cannot serve"):
+        state_cache_config(model, scheduler_cls=Scheduler)
+    # Control: without prefix caching vLLM's own is left.
+    default = EngineArgs(model=model).create_engine_config()
+    assert default.scheduler_config.scheduler_cls is None
+
+
+@pytest.fixture
+def make_scheduler(make_checkpoint, hopper):
+    """The scheduler ``vllm serve --enable-prefix-caching`` builds for the tiny
+    prefix_bidir checkpoint (the plugin's, or in-tree vLLM's with the edit),
+    over the hybrid cache with a 64-token budget."""
     init_none_hash(sha256)
 
-    def make(cls: type[Scheduler], checkpoint: bool = False) -> Scheduler:
-        return cls(
+    def make(async_scheduling: bool = False, checkpoint: bool = False) -> Scheduler:
+        config = state_cache_config(
+            make_checkpoint(weights=False),
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            block_size=BLOCK,
+            async_scheduling=async_scheduling,
+        )
+        config.cache_config.num_gpu_blocks = 64
+        return config.scheduler_config.get_scheduler_cls()(
             config,
             hybrid_cache_config(checkpoint),
             StructuredOutputManager(config),
@@ -298,9 +380,9 @@ def schedule(scheduler: Scheduler, *requests: Request) -> dict[str, tuple[int, i
     }
 
 
-@pytest.mark.parametrize("cls", [D3Scheduler, D3AsyncScheduler])
-def test_a_prompt_is_scheduled_whole_or_waits(make_scheduler, cls):
-    scheduler = make_scheduler(cls)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_prompt_is_scheduled_whole_or_waits(make_scheduler, async_scheduling):
+    scheduler = make_scheduler(async_scheduling)
     a = d3_request("a", STATE, QUESTIONS)
     b = d3_request("b", STATE, list(range(4000, 4022)), user_salt="tenant-b")
     # 62 + 62 tokens against a budget of 64: b waits for the next step.
@@ -308,34 +390,38 @@ def test_a_prompt_is_scheduled_whole_or_waits(make_scheduler, cls):
     assert schedule(scheduler) == {"b": (0, 62)}
 
 
-def test_vllm_alone_cuts_prompts(make_scheduler):
-    # Control: align mode cuts a at the last block boundary before its end
-    # (48), and chunked prefill gives b what is left of the budget.
-    scheduler = make_scheduler(Scheduler)
-    a = d3_request("a", STATE, QUESTIONS)
-    b = d3_request("b", STATE, list(range(4000, 4022)), user_salt="tenant-b")
+def test_a_request_without_a_state_is_cut_as_vllm_cuts_it(make_scheduler):
+    # Control: without a state block size, align mode cuts a at the last block
+    # boundary before its end (48), and chunked prefill gives b what is left
+    # of the budget.
+    scheduler = make_scheduler()
+    a = d3_request("a", STATE, QUESTIONS, state_size=False)
+    b_questions = list(range(4000, 4022))
+    b = d3_request("b", STATE, b_questions, state_size=False, user_salt="tenant-b")
     assert schedule(scheduler, a, b) == {"a": (0, 48), "b": (0, 16)}
 
 
 @pytest.mark.parametrize(
-    ("cls", "scheduled"), [(D3Scheduler, {}), (Scheduler, {"a": (0, 34)})]
+    ("state_size", "scheduled"), [(True, {}), (False, {"a": (0, 34)})]
 )
-def test_an_encoder_cap_makes_a_prompt_wait(make_scheduler, cls, scheduled):
-    # An encoder budget too small for the image at 34: vLLM's own scheduler
-    # (the control) computes the prompt up to the image; the state must wait.
-    scheduler = make_scheduler(cls)
+def test_an_encoder_cap_makes_a_prompt_wait(make_scheduler, state_size, scheduled):
+    # An encoder budget too small for the image at 34: vLLM computes a
+    # request without a state size (the control) up to the image; a state
+    # must wait.
+    scheduler = make_scheduler()
     scheduler.max_num_encoder_input_tokens = 2
-    assert schedule(scheduler, d3_request("a", STATE, QUESTIONS)) == scheduled
+    request = d3_request("a", STATE, QUESTIONS, state_size=state_size)
+    assert schedule(scheduler, request) == scheduled
 
 
-@pytest.mark.parametrize(("cls", "hit"), [(D3Scheduler, 32), (Scheduler, 48)])
-def test_a_state_read_first_is_reused_within_the_state(make_scheduler, cls, hit):
-    scheduler = make_scheduler(cls, checkpoint=True)
+@pytest.mark.parametrize(("state_size", "hit"), [(True, 32), (False, 48)])
+def test_a_state_read_first_is_reused_within_the_state(make_scheduler, state_size, hit):
+    scheduler = make_scheduler(checkpoint=True)
     # The state alone first: vLLM's prefill checkpoint is then the state's
     # last whole block (32).
     assert schedule(scheduler, d3_request("state", STATE, [])) == {"state": (0, 40)}
     assert schedule(scheduler, d3_request("a", STATE, QUESTIONS)) == {"a": (32, 30)}
     # a's own checkpoint is its prompt's last whole block (48), among its
-    # questions: only vLLM's own scheduler (the control) reuses it.
-    again = d3_request("again", STATE, QUESTIONS)
+    # questions: only a request without a state size (the control) reuses it.
+    again = d3_request("again", STATE, QUESTIONS, state_size=state_size)
     assert schedule(scheduler, again) == {"again": (hit, 62 - hit)}

@@ -106,8 +106,8 @@ def make_strategy(
     """The strategy as the front end builds it. The config hook turns state once
     off without a Hopper GPU; ``state_once`` sets what it would decide there.
     ``cache_grid`` turns prefix caching on, as align mode would set it with a
-    Gated DeltaNet block of that many tokens (the config hook still refuses
-    prefix caching for prefix_bidir)."""
+    Gated DeltaNet block of that many tokens (without a GPU the config hook
+    refuses prefix caching: the state cache serves the state-once reads)."""
     config = EngineArgs(model=path, max_model_len=max_model_len).create_engine_config()
     if "d3_decided" in config.additional_config:
         config.additional_config["d3_decided"]["d3_state_once"] = state_once

@@ -142,7 +142,7 @@ def test_max_model_len_default_and_override(results):
     assert http["max_model_len"] == expected
 
 
-def test_prefix_caching_is_refused_at_start_up(results):
+def test_chunked_prefill_is_refused_at_start_up(results):
     if HTTP_ONLY:
         pytest.skip("a start-up check: not run with VLLM_D3_VALIDATION_SERVE_ARGS")
-    assert results["prefix_caching"] == {"refused": True, "message_present": True}
+    assert results["chunked_prefill"] == {"refused": True, "message_present": True}

@@ -5,7 +5,8 @@
 a title, a message, its changes (applied in order to the tree the previous
 ones left: a ``NewFile`` is a module of this package written whole at the
 upstream path it mirrors, its ``vllm_d3`` imports and logger name read as
-vLLM's; a ``Diff`` a diff of vLLM's own files in ``edits/``; ``backports`` the
+vLLM's, less what a later commit's diff changes in it; a ``Diff`` a diff of
+vLLM's own files, or of one an earlier commit added, in ``edits/``; ``backports`` the
 modules that give the plugin an edit's hook), the CPU tests it makes pass
 in-tree and a control that fails on vLLM as released. ``export_series``
 commits them over a vLLM repository and writes them with ``git format-patch``;
@@ -21,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +66,9 @@ EDITS = Path(__file__).parent / "edits"
 
 @dataclass(frozen=True)
 class Diff:
-    """Changes to vLLM's own files: ``EDITS/name``, a ``git diff`` against the
-    tree the series' earlier commits leave on vLLM 0.33.0."""
+    """Changes to vLLM's files: ``EDITS/name``, a ``git diff`` against the tree
+    the series' earlier commits leave on vLLM 0.33.0 (a file one of them added
+    included)."""
 
     name: str
 
@@ -179,8 +182,32 @@ def _base_repo(vllm_src: Path | None, repo: Path) -> None:
     _git(repo, "commit", "-q", "-m", "vLLM (the Python tree of the installed package)")
 
 
-def apply_patch(repo: Path, patch: Patch) -> None:
-    """Write ``patch``'s changes into ``repo`` and commit them."""
+def _text_as_added(new_file: NewFile, later: Sequence[Patch]) -> str:
+    """``new_file``'s text as its commit adds it: the module's, less what the
+    ``later`` commits' diffs change in it."""
+    text = new_file.text()
+    diffs = [
+        change
+        for patch in later
+        for change in patch.changes
+        if isinstance(change, Diff) and new_file.path in change.files()
+    ]
+    if not diffs:
+        return text
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        target = work / new_file.path
+        target.parent.mkdir(parents=True)
+        target.write_text(text)
+        _git(work, "init", "-q")
+        for diff in reversed(diffs):
+            _git(work, "apply", "-R", f"--include={new_file.path}", str(diff.path))
+        return target.read_text()
+
+
+def apply_patch(repo: Path, patch: Patch, later: Sequence[Patch] = ()) -> None:
+    """Write ``patch``'s changes into ``repo`` and commit them (``later``: the
+    series' commits after it, whose diffs may change a file it adds)."""
     for change in patch.changes:
         if isinstance(change, Diff):
             try:
@@ -195,7 +222,7 @@ def apply_patch(repo: Path, patch: Patch) -> None:
         if target.exists():
             raise ExportError(f"{change.path}: already in this vLLM tree")
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(change.text())
+        target.write_text(_text_as_added(change, later))
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", f"{patch.title}\n\n{patch.body}")
 
@@ -208,8 +235,8 @@ def export_series(out: Path, repo: Path, vllm_src: Path | None = None) -> list[P
     repo.mkdir(parents=True)
     _base_repo(vllm_src, repo)
     base = _git(repo, "rev-parse", "HEAD").strip()
-    for patch in SERIES:
-        apply_patch(repo, patch)
+    for index, patch in enumerate(SERIES):
+        apply_patch(repo, patch, SERIES[index + 1 :])
     out.mkdir(parents=True, exist_ok=True)
     written = _git(repo, "format-patch", "-o", str(out.resolve()), base)
     return [Path(line) for line in written.splitlines()]

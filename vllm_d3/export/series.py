@@ -151,8 +151,8 @@ that the state is computed once:
 - the classify pooler reads a packed request out at the last token of each
   question block, the logits flat, question by question.
 
-For prefix caching's align mode (which the contract still refuses for
-prefix_bidir; it is the state cache's), the Gated DeltaNet layers declare
+For prefix caching's align mode (which the contract refuses for prefix_bidir
+until a later commit serves it as the state cache), the Gated DeltaNet layers declare
 prefill checkpoints on the Triton prefill too, and the two phases write those
 inside what their first phase reads; every scan runs on the state slots vLLM
 resolved for the step, and a packed row after a prefix-cache hit inside its
@@ -199,8 +199,8 @@ D3StateBlockReads (the new d3_reads module), a base of D3Strategy:
   temperature for the request's question count (d3-ultra), and reports in
   usage.input_tokens what the engine computed and in cached_tokens what it
   took from the prefix cache;
-- with prefix caching (which the contract still refuses for prefix_bidir:
-  the model side is not all there yet), keys every engine request by its
+- with prefix caching (which the contract refuses for prefix_bidir until a
+  later commit serves it as the state cache), keys every engine request by its
   whole state block under the user's cache_salt (the new d3_state_key
   module), and reads a state longer than the cache's grid alone first, once
   for the reads of it in flight, so that the questions find it cached;
@@ -292,6 +292,38 @@ switches, and logs each with its reason.""",
     "test_hook_selects_dense_pieces_where_they_run",
 )
 
+STATE_CACHE = Patch(
+    title="[Core] D3 prefix_bidir: a state cached across requests",
+    body="""\
+A prefix_bidir state block's keys, values and Gated DeltaNet states depend on
+the whole state block and nothing else, so a request whose whole state was
+read before may take them from the prefix cache and compute only its
+questions. --enable-prefix-caching is refused for prefix_bidir today; serve it
+as that cache:
+
+- the config hook (the new d3_state_cache module) accepts it where the state
+  is read once on the Triton GDN prefill and no KV connector is configured,
+  and refuses it otherwise, naming why; it turns on chunked prefill, which
+  prefix caching of a hybrid model asserts, while the token budget stays the
+  one vLLM sized without chunking (at least max_model_len);
+- the scheduler reads a prompt that carries d3_state_tokens whole or lets it
+  wait (whatever would cut it: the token budget, Mamba's block-aligned split,
+  an encoder cap), and bounds its prefix-cache hit strictly inside its state;
+  other requests are scheduled as before.
+
+The front end's key (the whole state's tokens and media under the user's
+cache_salt), its state-alone reads and the model side's hits are in the
+earlier commits; explicit --enable-chunked-prefill stays refused.""",
+    changes=(
+        NewFile("v1/core/d3_state_cache.py"),
+        Diff("08-state-cache.diff"),
+    ),
+    tests=("tests/test_state_cache.py",),
+    control="tests/test_state_cache.py::"
+    "test_prefix_caching_is_served_as_the_state_cache",
+    backports=("v1/core/sched/scheduler.py",),
+)
+
 SERIES: tuple[Patch, ...] = (
     CONTRACT,
     SYSTEMONE_BODIES,
@@ -300,4 +332,5 @@ SERIES: tuple[Patch, ...] = (
     MODEL_STATE,
     STATE_BLOCK_READS,
     DENSE_ATTENTION,
+    STATE_CACHE,
 )

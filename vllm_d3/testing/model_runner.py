@@ -101,8 +101,8 @@ def single_process_group() -> Iterator[None]:
 
 def vllm_config_for(path: str, align_block: int | None = None):
     """``align_block``: prefix caching's align mode on blocks of that many
-    tokens, as an engine resolves it (set after the config hook, which refuses
-    prefix caching for prefix_bidir)."""
+    tokens, as an engine resolves it (set after the config hook, which without
+    a GPU refuses prefix caching: the state cache serves the state-once reads)."""
     config = EngineArgs(model=path, max_model_len=4096).create_engine_config()
     if align_block is not None:
         cache = config.cache_config

@@ -12,7 +12,9 @@ to off; ``validated_length`` becomes ``max_model_len`` where the user gave
 none, and the d3-ultra fields are checked (``d3_contract``). At the
 ``VllmConfig`` level a prefix_bidir checkpoint refuses what it cannot be
 served with (``check_prefix_bidir_serving``), then ``select_prefix_bidir_serving``
-(``d3_serving``) picks its attention, its reads and its GDN prefill kernel.
+(``d3_serving``) picks its attention, its reads and its GDN prefill kernel,
+and ``--enable-prefix-caching`` is served as its state cache
+(``d3_state_cache``, with the plugin's scheduler).
 """
 
 from typing import TYPE_CHECKING
@@ -21,6 +23,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models import config as upstream
 
 from vllm_d3.registration import installed_hooks, owns_custom_backend
+from vllm_d3.v1.core.d3_state_cache import select_state_cache
 
 from .d3_contract import (
     apply_validated_length,
@@ -89,4 +92,31 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
             unavailable=None
             if owns_custom_backend()
             else "the CUSTOM attention backend belongs to another plugin",
+        )
+        select_state_cache(vllm_config)
+        if vllm_config.cache_config.enable_prefix_caching:
+            _select_scheduler(vllm_config)
+
+
+def _select_scheduler(vllm_config: "VllmConfig") -> None:
+    """The state cache's scheduler (in-tree, vLLM's own have its edit): the D3
+    one of the async kind asked for, or the user's if it subclasses it."""
+    # vLLM's scheduler module, imported where the state cache is served only.
+    from vllm_d3.v1.core.sched.scheduler import D3AsyncScheduler, D3Scheduler
+
+    scheduler_config = vllm_config.scheduler_config
+    if scheduler_config.scheduler_cls is None:
+        # A pooling model's async scheduling stays off unless asked for.
+        scheduler_config.scheduler_cls = (
+            D3AsyncScheduler if scheduler_config.async_scheduling else D3Scheduler
+        )
+        return
+    chosen = scheduler_config.get_scheduler_cls()
+    if not issubclass(chosen, D3Scheduler):
+        raise ValueError(
+            f"--scheduler-cls {chosen.__qualname__} cannot serve the D3 prefix_bidir "
+            f"state cache: its scheduler must subclass {D3Scheduler.__module__}."
+            f"{D3Scheduler.__qualname__}, which reads each prompt whole and keeps "
+            "its cache hit inside its state. Drop --scheduler-cls or "
+            "--enable-prefix-caching."
         )

@@ -126,16 +126,11 @@ def check_prefix_bidir_serving(vllm_config: "VllmConfig") -> None:
             "answer with the wrong mask. V1 was selected (an earlier log line "
             "says why, e.g. VLLM_USE_V2_MODEL_RUNNER=0 or no Triton)."
         )
-    if vllm_config.cache_config.enable_prefix_caching:
-        raise ValueError(
-            "D3 prefix_bidir checkpoints do not support prefix caching yet: a "
-            "cached block would hold keys computed without the tokens after it. "
-            "Drop --enable-prefix-caching."
-        )
     if vllm_config.scheduler_config.enable_chunked_prefill:
         raise ValueError(
             "D3 prefix_bidir checkpoints do not support chunked prefill: a state "
-            "or question block must be read whole. Drop --enable-chunked-prefill."
+            "or question block must be read whole. Drop --enable-chunked-prefill "
+            "(--enable-prefix-caching alone sets what it needs)."
         )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError(

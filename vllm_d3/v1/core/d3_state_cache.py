@@ -1,21 +1,91 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The prefix-cache hit limit of a D3 prefix_bidir state block
+"""A D3 prefix_bidir state cached across requests: what serving it needs, and
+the scheduler's rules for a request that carries a state block size
 (upstream: ``v1/core/d3_state_cache.py``, a new file).
 
 A state block's keys, values and Gated DeltaNet states depend on the whole
 state block, which the front end's key covers (``d3_state_key.py``); a block
 past the state holds question tokens, which read their whole question.
-``state_hit_limit`` keeps a hit strictly inside the state; the scheduler reads
-a request's state size with ``request_state_tokens``.
+``select_state_cache`` serves ``--enable-prefix-caching`` as that cache or
+refuses the settings it cannot run with; the scheduler keeps a hit strictly
+inside the state (``bounded_hit``) and reads a prompt whole or not at all
+(``whole_or_waits``).
 """
 
 from typing import TYPE_CHECKING
 
-from vllm_d3.model_executor.models.d3_contract import STATE_TOKENS_KEY, state_tokens_of
+from vllm.logger import init_logger
+
+from vllm_d3.model_executor.models.d3_contract import (
+    STATE_TOKENS_KEY,
+    decision_config_of,
+    is_prefix_bidir,
+    state_once_decided,
+    state_tokens_of,
+)
+from vllm_d3.model_executor.models.d3_serving import (
+    GDN_PREFILL_BACKEND_KEY,
+    VALIDATED_GDN_PREFILL_BACKEND,
+)
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.request import Request
+
+# Under the "vllm" logger, so that it shares vLLM's handlers and level.
+logger = init_logger(f"vllm.{__name__}")
+
+
+def select_state_cache(vllm_config: "VllmConfig") -> None:
+    """Serve ``--enable-prefix-caching`` on a prefix_bidir checkpoint as its
+    state cache (after ``select_prefix_bidir_serving``), or refuse the
+    settings it cannot run with; the log says which."""
+    if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
+        return
+    if not vllm_config.cache_config.enable_prefix_caching:
+        logger.info(
+            "D3 prefix_bidir: states are not cached across requests "
+            "(--enable-prefix-caching caches them)"
+        )
+        return
+    why_not = _state_cache_refused(vllm_config)
+    if why_not is not None:
+        raise ValueError(
+            f"--enable-prefix-caching cannot serve this D3 prefix_bidir "
+            f"checkpoint: {why_not}. Drop --enable-prefix-caching."
+        )
+    # vLLM's Mamba prefix caching asserts chunked prefill; the scheduler still
+    # reads each prefix_bidir prompt whole, within a token budget that vLLM
+    # sized without chunking (at least max_model_len).
+    vllm_config.scheduler_config.enable_chunked_prefill = True
+    logger.info(
+        "D3 prefix_bidir: states cached across requests: a request whose whole "
+        "state (its tokens, its media, its cache_salt) was read before computes "
+        "only what follows the state's last cached block; prompts are still "
+        "read whole (steps of up to %d tokens)",
+        vllm_config.scheduler_config.max_num_batched_tokens,
+    )
+
+
+def _state_cache_refused(vllm_config: "VllmConfig") -> str | None:
+    """Why the settings cannot serve the state cache, or ``None``."""
+    extra = vllm_config.additional_config
+    if not isinstance(extra, dict) or not state_once_decided(extra):
+        return (
+            "the state cache serves the state-once reads, and this engine sends "
+            "one engine request per question (an earlier log line says why)"
+        )
+    gdn_prefill = extra.get(GDN_PREFILL_BACKEND_KEY)
+    if gdn_prefill != VALIDATED_GDN_PREFILL_BACKEND:
+        return (
+            f"its Gated DeltaNet states are the checkpoints written on the "
+            f"{VALIDATED_GDN_PREFILL_BACKEND} prefill, not on --gdn-prefill-backend "
+            f"{gdn_prefill}"
+        )
+    if vllm_config.kv_transfer_config is not None:
+        return "a KV connector's cache hits are not bounded by the state block"
+    return None
 
 
 def state_hit_limit(state_tokens: int, num_tokens: int) -> int:
@@ -36,3 +106,25 @@ def request_state_tokens(request: "Request") -> int | None:
     if not extra or STATE_TOKENS_KEY not in extra:
         return None
     return state_tokens_of(extra, request.num_prompt_tokens)
+
+
+def bounded_hit(request: "Request", max_cache_hit_length: int | None) -> int | None:
+    """The scheduler's bound on ``request``'s prefix-cache hit: the caller's,
+    within the state for a request that carries a state block size."""
+    state_tokens = request_state_tokens(request)
+    if state_tokens is None:
+        return max_cache_hit_length
+    limit = state_hit_limit(state_tokens, request.num_tokens)
+    return limit if max_cache_hit_length is None else min(limit, max_cache_hit_length)
+
+
+def whole_or_waits(
+    request: "Request", num_computed_tokens: int, num_new_tokens: int
+) -> int:
+    """The tokens to schedule of ``num_new_tokens``: all, or none where they
+    stop short of the prompt's end of a request that carries a state block
+    size (whatever cut them: the token budget, an encoder cap)."""
+    if request_state_tokens(request) is None:
+        return num_new_tokens
+    whole = num_computed_tokens + num_new_tokens >= request.num_tokens
+    return num_new_tokens if whole else 0

@@ -4,8 +4,8 @@
 (upstream: ``v1/attention/backends/d3_prefix_bidir.py``, a new file).
 
 A prefix_bidir row's ranges (``mm_req_doc_ranges``) are its state, then one
-block per question; a row is computed to its end in one step (chunked prefill
-is refused; a prefix-cache hit lies inside the state), so its mask is two
+block per question; a row is computed to its end in one step (no scheduler of
+prefix_bidir cuts one; a prefix-cache hit lies inside the state), so its mask is two
 passes of non-causal attention over the row's keys: every range over itself,
 and each row's question rows over its state, merged by log-sum-exp. The keys
 are the step's own, and where a row's first tokens came from the prefix

@@ -1,15 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Scheduling prefix_bidir requests with prefix caching on
-(upstream: ``v1/core/sched/scheduler.py``, an edit of three of its methods).
+(upstream: ``v1/core/sched/scheduler.py``, an edit of three of its methods:
+the series' state cache commit, ``vllm_d3.export.series``).
 
 Prefix caching of a hybrid model needs chunked prefill and Mamba "align" mode,
 whose scheduler cuts a prompt where the token budget, a block boundary or an
 encoder cap ends. A prefix_bidir prompt's state and question blocks read
 themselves both ways, so it is scheduled whole or waits: ``D3Scheduler``
 (and ``D3AsyncScheduler``, for async scheduling) keeps each request that
-carries a state block size from being cut, and bounds its prefix-cache hit by
-``state_hit_limit``. Requests without one are scheduled as vLLM does.
+carries a state block size from being cut, and bounds its prefix-cache hit
+inside its state (``d3_state_cache``). Requests without one are scheduled as
+vLLM does. The plugin's config hook selects them where prefix caching is on;
+in-tree vLLM's own schedulers have the edit.
 """
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -17,20 +20,20 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from vllm_d3.v1.core.d3_state_cache import request_state_tokens, state_hit_limit
+from vllm_d3.v1.core.d3_state_cache import (
+    bounded_hit,
+    request_state_tokens,
+    whole_or_waits,
+)
 
 
 class D3Scheduler(Scheduler):
     def _get_local_prefix_cache_hit(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        state_tokens = request_state_tokens(request)
-        if state_tokens is not None:
-            limit = state_hit_limit(state_tokens, request.num_tokens)
-            if max_cache_hit_length is not None:
-                limit = min(limit, max_cache_hit_length)
-            max_cache_hit_length = limit
-        return super()._get_local_prefix_cache_hit(request, max_cache_hit_length)
+        return super()._get_local_prefix_cache_hit(
+            request, bounded_hit(request, max_cache_hit_length)
+        )
 
     def _mamba_block_aligned_split(
         self,
@@ -54,15 +57,11 @@ class D3Scheduler(Scheduler):
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
-        # The last cut of a step's tokens before they are scheduled: whatever
-        # cut a prefix_bidir prompt (the token budget, an encoder cap), it waits.
+        # The last cut of a step's tokens before they are scheduled.
         num_new_tokens = super()._reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
         )
-        if request_state_tokens(request) is None:
-            return num_new_tokens
-        whole = num_computed_tokens + num_new_tokens >= request.num_tokens
-        return num_new_tokens if whole else 0
+        return whole_or_waits(request, num_computed_tokens, num_new_tokens)
 
 
 class D3AsyncScheduler(D3Scheduler, AsyncScheduler):

@@ -85,8 +85,9 @@ QUESTIONS_PER_SCAN = 64
 #: step waits on the host (4 questions of 92 tokens on a 280-token state: 139 ms
 #: in two phases, 90 ms for the same tokens in one block, one H200), while these
 #: tokens add about 9 ms of GPU time to d3-turbo's 48 layers. Slots are then
-#: not written: the final states of a prompt that ran whole are never read
-#: (prefix caching is refused for prefix_bidir).
+#: not written: the final states of a prompt that ran whole are never read (no
+#: prefix-cache hit reaches a packed prompt's questions, and a step with
+#: prefill checkpoints to write runs in two phases).
 STATE_REREAD_TOKENS_MAX = 1024
 
 

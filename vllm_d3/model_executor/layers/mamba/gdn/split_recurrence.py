@@ -12,7 +12,8 @@ the recurrence across chunks twice, first from zero to find where each state
 ends, then with each question starting there (``split_recurrence``). It
 replaces the two phases (``packed_questions``) for the steps it takes, and, as
 their one-scan form, writes no state slot: nothing reads the final states of a
-prompt that ran whole (prefix caching is refused for prefix_bidir).
+prompt that ran whole (no prefix-cache hit reaches a packed prompt's
+questions; a step with prefill checkpoints to write runs in two phases).
 """
 
 from collections.abc import Callable, Sequence

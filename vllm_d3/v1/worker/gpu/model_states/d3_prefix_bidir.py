@@ -175,9 +175,9 @@ class D3PrefixBidirModelState(MambaHybridModelState):
             block = self.state_blocks.get(req_id)
             if block is None or not block.packed:
                 continue
-            # A prompt runs to its end in one step (chunked prefill is off, and
-            # the state cache's scheduler never cuts one), after what it found
-            # in the prefix cache, which lies inside its state.
+            # A prompt runs to its end in one step (no scheduler of prefix_bidir
+            # cuts one), after what it found in the prefix cache, which lies
+            # inside its state.
             computed = block.prompt_len - int(starts[row + 1] - starts[row])
             assert int(seq_lens[row]) == block.prompt_len
             assert 0 <= computed < block.state_tokens

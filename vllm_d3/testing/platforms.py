@@ -1,0 +1,45 @@
+"""A GPU of a named family, faked at vLLM's interface for CPU tests.
+
+``fake_gpu(monkeypatch, family)`` makes the dense-piece kernels see a
+``Platform`` of the family's enum and compute capability, with vLLM's
+FlashAttention extensions and Triton present; the test's ``monkeypatch``
+undoes it.
+"""
+
+import sys
+import types
+
+import pytest
+from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
+
+from vllm_d3.v1.attention.backends import d3_dense_kernels
+
+#: (platform enum, compute capability) of each family the kernels know.
+FAMILIES = {
+    "Hopper": (PlatformEnum.CUDA, DeviceCapability(9, 0)),
+    "Blackwell": (PlatformEnum.CUDA, DeviceCapability(10, 0)),
+    "Ampere/Ada": (PlatformEnum.CUDA, DeviceCapability(8, 9)),
+    "ROCm": (PlatformEnum.ROCM, DeviceCapability(9, 4)),
+    "another CUDA GPU": (PlatformEnum.CUDA, DeviceCapability(7, 5)),
+}
+
+
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """The kernels see a GPU of ``family`` through vLLM's ``Platform``, with
+    vLLM's FlashAttention extensions and Triton present."""
+    enum, capability = FAMILIES[family]
+
+    class FakePlatform(Platform):
+        _enum = enum
+
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+            return capability
+
+    monkeypatch.setattr(d3_dense_kernels, "current_platform", FakePlatform())
+    interface = types.SimpleNamespace(FA2_AVAILABLE=True, FA3_AVAILABLE=True)
+    package = types.SimpleNamespace(flash_attn_interface=interface)
+    package_name = "vllm.vllm_flash_attn"
+    monkeypatch.setitem(sys.modules, package_name, package)
+    monkeypatch.setitem(sys.modules, f"{package_name}.flash_attn_interface", interface)
+    monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", True)
