@@ -25,6 +25,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -315,6 +316,42 @@ def test_a_kv_connector_is_refused(make_checkpoint, hopper):
 def test_chunked_prefill_stays_refused(make_checkpoint, hopper):
     with pytest.raises(ValueError, match="--enable-chunked-prefill"):
         state_cache_config(make_checkpoint(weights=False), enable_chunked_prefill=True)
+
+
+def test_every_request_is_keyed_by_its_whole_state(make_checkpoint, hopper):
+    # Through vLLM's input processor, which every entry point's requests pass
+    # (the strategy's, /classify's, LLM.classify's).
+    model = make_checkpoint(weights=False)
+    config = state_cache_config(model, enable_prompt_embeds=True)
+    processor = InputProcessor(config)
+
+    def key(config_processor: InputProcessor, prompt: dict, s: int = 40) -> str:
+        params = PoolingParams(task="classify", extra_kwargs={"d3_state_tokens": s})
+        return config_processor.process_inputs(
+            "r", prompt, params, supported_tasks=("classify",)
+        ).cache_salt
+
+    # Token ids inside the tiny checkpoint's vocabulary.
+    first_state, questions = list(range(10, 50)), list(range(60, 82))
+    state = key(processor, {"prompt_token_ids": first_state + questions})
+    others = {"prompt_token_ids": first_state + list(range(90, 112))}
+    assert key(processor, others) == state
+    assert key(processor, {"prompt_token_ids": first_state}) == state
+    shared_prefix = first_state[:35] + [9] + first_state[36:]
+    assert key(processor, {"prompt_token_ids": shared_prefix + questions}) != state
+    tenant = {"prompt_token_ids": first_state + questions, "cache_salt": "tenant-b"}
+    assert key(processor, tenant) not in (state, "tenant-b")
+    # A prompt given as embeddings is keyed by its state rows.
+    embeds = torch.randn(62, config.model_config.get_hidden_size())
+    other_question, other_state = embeds.clone(), embeds.clone()
+    other_question[50] += 1
+    other_state[20] += 1
+    by_embeds = key(processor, {"prompt_embeds": embeds})
+    assert key(processor, {"prompt_embeds": other_question}) == by_embeds
+    assert key(processor, {"prompt_embeds": other_state}) != by_embeds
+    # Control: without prefix caching a request keeps the user's salt.
+    plain = EngineArgs(model=model, enable_prompt_embeds=True).create_engine_config()
+    assert key(InputProcessor(plain), tenant) == "tenant-b"
 
 
 @pytest.mark.plugin

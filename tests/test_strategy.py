@@ -22,6 +22,7 @@ from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES, ReadCo
 from vllm.pooling_params import PoolingParams
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.renderers.registry import renderer_from_config
+from vllm.v1.engine.input_processor import InputProcessor
 
 ULTRA = {"max_questions": [1, 4], "temperature": [2.0, 1.0, 0.5]}
 STATES = [
@@ -82,6 +83,17 @@ class RecordingEngine:
         self.cached: dict[str, int] = {}
         #: The message of the error every read answers, if set.
         self.error: str | None = None
+
+    def cache_keys(self) -> list[str | None]:
+        """The ``cache_salt`` vLLM's input processor gives each read recorded
+        (with prefix caching, the state cache's key)."""
+        processor = InputProcessor(self.vllm_config)
+        return [
+            processor.process_inputs(
+                f"k{n}", engine_input, params, supported_tasks=("classify",)
+            ).cache_salt
+            for n, (engine_input, params) in enumerate(self.reads)
+        ]
 
     async def encode(self, engine_input, params, request_id, **kwargs):
         self.reads.append((engine_input, params))
@@ -614,17 +626,19 @@ def test_a_tokenizer_that_merges_across_the_split_gets_whole_prompts(
     ]
 
 
-# The state cache's front end (docs/state-cache.md): the key on every engine
-# request, the state read alone first, and the usage the engine reports.
+# The state cache's front end (docs/state-cache.md): the key the input
+# processor gives every engine request, the state read alone first, and the
+# usage the engine reports.
 
 OTHER_QUESTIONS = [("q9", "noul", "Is it something else?", None)]
 
 
 def cache_salts(strategy, engine, state, **read_options) -> set[str | None]:
-    """The cache salts of every engine request one read sends."""
+    """The cache salts of every engine request one read sends, as the input
+    processor leaves them."""
     engine.reads.clear()
     asyncio.run(read_coroutine(strategy, state, **read_options))
-    return {inputs.get("cache_salt") for inputs, _ in engine.reads}
+    return set(engine.cache_keys())
 
 
 @pytest.mark.parametrize("state_once", [False, True])
@@ -720,7 +734,8 @@ def test_a_state_is_read_alone_before_its_questions(make_checkpoint, state_once)
     for inputs, question_params in questions:
         assert inputs["prompt_token_ids"][:s] == alone["prompt_token_ids"]
         assert question_params.extra_kwargs["d3_state_tokens"] == s
-        assert inputs["cache_salt"] == alone["cache_salt"]
+    # Keyed alike, so that the questions find the state's blocks.
+    assert len(set(engine.cache_keys())) == 1
 
 
 @pytest.mark.parametrize(("grid_below_state", "read_alone"), [(0, False), (1, True)])

@@ -8,7 +8,8 @@ its instance: ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``.)
    (``with_state_tokens``; one params per input for a list).
 2. ``InputProcessor.process_inputs``: every request of every entry point is
    checked with its final prompt (``check_state_blocks``): a missing or invalid
-   ``d3_state_tokens`` or ``d3_question_ends`` is a 400 naming the field.
+   ``d3_state_tokens`` or ``d3_question_ends`` is a 400 naming the field; with
+   prefix caching it is then keyed by its whole state (``key_state_block``).
 3. ``init_entrypoints_middleware`` as ``entrypoints/launchers/app.py`` names it:
    ``SystemOneBodyMiddleware`` goes ahead of vLLM's own middleware, so that
    /v1/systemone gets plain JSON. docs/upstream.md says why no hook reaches them.
@@ -32,6 +33,7 @@ from .entrypoints.pooling.d3_state_tokens import (
 from .entrypoints.serve.middleware.systemone_body import (
     add_systemone_body_middleware,
 )
+from .v1.core.d3_state_cache import key_state_block
 
 _MARK = "__vllm_d3_patch__"
 
@@ -49,6 +51,7 @@ def _wrap_process_inputs(original: Callable) -> Callable:
     def process_inputs(self: InputProcessor, *args: Any, **kwargs: Any) -> Any:
         request = original(self, *args, **kwargs)
         check_state_blocks(self.vllm_config, request)
+        key_state_block(self.vllm_config, request)
         return request
 
     return process_inputs

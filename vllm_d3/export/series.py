@@ -200,10 +200,10 @@ D3StateBlockReads (the new d3_reads module), a base of D3Strategy:
   usage.input_tokens what the engine computed and in cached_tokens what it
   took from the prefix cache;
 - with prefix caching (which the contract refuses for prefix_bidir until a
-  later commit serves it as the state cache), keys every engine request by its
-  whole state block under the user's cache_salt (the new d3_state_key
-  module), and reads a state longer than the cache's grid alone first, once
-  for the reads of it in flight, so that the questions find it cached;
+  later commit serves it as the state cache), reads a state longer than the
+  cache's grid alone first, once for the reads of it in flight (found by the
+  state's key, the new d3_state_key module), so that the questions find it
+  cached;
 - tokenizes the head the questions of a request share (system turn, media,
   state) once, and each question's own tail, after checking the split once
   against whole prompts (question_tokens).
@@ -225,6 +225,11 @@ Checkpoints that need none of it keep read's plain encodes.""",
         "test_a_state_is_read_alone_before_its_questions[True]",
         "--deselect=tests/test_strategy.py::"
         "test_usage_counts_what_was_computed_and_what_was_cached[True]",
+        # The key comes with the state cache's commit.
+        "--deselect=tests/test_strategy.py::"
+        "test_every_engine_request_is_keyed_by_the_whole_state",
+        "--deselect=tests/test_strategy.py::"
+        "test_the_same_text_with_other_images_gets_another_key",
     ),
     control="tests/test_strategy.py::test_a_straddling_token_goes_to_the_question",
     backports=("entrypoints/openai/decisions/strategies.py",),
@@ -306,19 +311,27 @@ as that cache:
   and refuses it otherwise, naming why; it turns on chunked prefill, which
   prefix caching of a hybrid model asserts, while the token budget stays the
   one vLLM sized without chunking (at least max_model_len);
+- the input processor keys every prefix_bidir request, of every entry point,
+  by its whole state block (its token ids, or its embeddings' digest, and the
+  media inside it) under the user's cache_salt, so that two states that
+  differ anywhere share no block;
 - the scheduler reads a prompt that carries d3_state_tokens whole or lets it
   wait (whatever would cut it: the token budget, Mamba's block-aligned split,
   an encoder cap), and bounds its prefix-cache hit strictly inside its state;
   other requests are scheduled as before.
 
-The front end's key (the whole state's tokens and media under the user's
-cache_salt), its state-alone reads and the model side's hits are in the
-earlier commits; explicit --enable-chunked-prefill stays refused.""",
+The key itself, the strategy's state-alone reads and the model side's hits
+are in the earlier commits; explicit --enable-chunked-prefill stays
+refused.""",
     changes=(
         NewFile("v1/core/d3_state_cache.py"),
         Diff("08-state-cache.diff"),
     ),
-    tests=("tests/test_state_cache.py",),
+    tests=(
+        "tests/test_state_cache.py",
+        "tests/test_strategy.py::test_every_engine_request_is_keyed_by_the_whole_state",
+        "tests/test_strategy.py::test_the_same_text_with_other_images_gets_another_key",
+    ),
     control="tests/test_state_cache.py::"
     "test_prefix_caching_is_served_as_the_state_cache",
     backports=("v1/core/sched/scheduler.py",),

@@ -8,15 +8,20 @@ A state block's keys, values and Gated DeltaNet states depend on the whole
 state block, which the front end's key covers (``d3_state_key.py``); a block
 past the state holds question tokens, which read their whole question.
 ``select_state_cache`` serves ``--enable-prefix-caching`` as that cache or
-refuses the settings it cannot run with; the scheduler keeps a hit strictly
-inside the state (``bounded_hit``) and reads a prompt whole or not at all
-(``whole_or_waits``).
+refuses the settings it cannot run with; the input processor keys every
+request by its whole state (``key_state_block``); the scheduler keeps a hit
+strictly inside the state (``bounded_hit``) and reads a prompt whole or not at
+all (``whole_or_waits``).
 """
 
+import hashlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
+from vllm.v1.utils import tensor_data
 
+from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
 from vllm_d3.model_executor.models.d3_contract import (
     STATE_TOKENS_KEY,
     decision_config_of,
@@ -31,6 +36,7 @@ from vllm_d3.model_executor.models.d3_serving import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.request import Request
 
 # Under the "vllm" logger, so that it shares vLLM's handlers and level.
@@ -86,6 +92,31 @@ def _state_cache_refused(vllm_config: "VllmConfig") -> str | None:
     if vllm_config.kv_transfer_config is not None:
         return "a KV connector's cache hits are not bounded by the state block"
     return None
+
+
+def key_state_block(vllm_config: "VllmConfig", request: "EngineCoreRequest") -> None:
+    """With prefix caching, key a checked prefix_bidir request by its whole
+    state block: its ``cache_salt`` becomes ``state_cache_salt`` of the user's
+    salt, the state's token ids (of a prompt given as embeddings, their
+    digest) and the media that start inside it, in prompt order. Every entry
+    point's requests pass here (the input processor), so no two states that
+    differ anywhere share a cached block."""
+    params = request.pooling_params
+    if params is None or not vllm_config.cache_config.enable_prefix_caching:
+        return
+    if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
+        return
+    s = (params.extra_kwargs or {})[STATE_TOKENS_KEY]
+    features = sorted(request.mm_features or (), key=lambda f: f.mm_position.offset)
+    media = [f.identifier for f in features if f.mm_position.offset < s]
+    state: Sequence[int] = ()
+    if request.prompt_token_ids is not None:
+        state = request.prompt_token_ids[:s]
+    else:
+        assert request.prompt_embeds is not None
+        embeds = hashlib.sha256(tensor_data(request.prompt_embeds[:s].contiguous()))
+        media.insert(0, f"prompt_embeds:{embeds.hexdigest()}")
+    request.cache_salt = state_cache_salt(request.cache_salt, state, media)
 
 
 def state_hit_limit(state_tokens: int, num_tokens: int) -> int:

@@ -12,10 +12,10 @@ tokens the engine computed and took from the prefix cache for it. For
 prefix_bidir every prompt must share its state block (``state_tokens``); with
 state once (the config hook's decision) the questions go packed into as few
 engine requests as one step holds (``_plan``), otherwise one encode per
-question carries the state size. With prefix caching, every engine request is
-keyed by the whole state, and a state longer than the cache's grid is read
-alone first, so that the questions' requests find it cached
-(``docs/state-cache.md``).
+question carries the state size. With prefix caching (every engine request
+keyed by its whole state in the input processor), a state longer than the
+cache's grid is read alone first, once for the reads of it in flight, so that
+the questions' requests find it cached (``docs/state-cache.md``).
 """
 
 import asyncio
@@ -290,7 +290,8 @@ class D3StateBlockReads:
         prefix_bidir; state once, packs ``state || q1 || ... || qQ`` with
         ``d3_question_ends``, as many as ``max_model_len`` and
         ``max_num_batched_tokens`` need (each reading the state again, and
-        logged). With the state cache, each is keyed by the whole state."""
+        logged). With the state cache, a state longer than its grid is read
+        alone first."""
         ids = [engine_input["prompt_token_ids"] for engine_input in engine_inputs]
         if not self.prefix_bidir:
             return _per_question_reads(engine_inputs, params, request_id, 0), None
@@ -301,8 +302,6 @@ class D3StateBlockReads:
             )
         sized = params.clone()
         sized.extra_kwargs = {**(params.extra_kwargs or {}), STATE_TOKENS_KEY: s}
-        if self.state_cache:
-            engine_inputs = [self._keyed(inputs, s) for inputs in engine_inputs]
         if not self.state_once or len(ids) == 1:
             reads = _per_question_reads(engine_inputs, sized, request_id, s)
         else:
@@ -311,17 +310,6 @@ class D3StateBlockReads:
             return reads, None
         alone = {**engine_inputs[0], "prompt_token_ids": ids[0][:s]}
         return reads, _Read(alone, sized, f"{request_id}-state", [], [])
-
-    @staticmethod
-    def _keyed(engine_input: Any, s: int) -> Any:
-        """``engine_input`` with its cache salt keyed by its whole state block
-        (the first ``s`` tokens and the media), under the user's salt."""
-        salt = state_cache_salt(
-            engine_input.get("cache_salt"),
-            engine_input["prompt_token_ids"][:s],
-            media_identifiers(engine_input),
-        )
-        return {**engine_input, "cache_salt": salt}
 
     def _packed_reads(
         self,
@@ -371,7 +359,13 @@ class D3StateBlockReads:
         used); where a read of the same state is in flight, wait for that one
         instead (``None``), whether it ends well or not: the questions'
         requests compute whatever they do not find cached."""
-        key = read.engine_input["cache_salt"]
+        alone = read.engine_input
+        # The key the input processor gives the state's blocks.
+        key = state_cache_salt(
+            alone.get("cache_salt"),
+            alone["prompt_token_ids"],
+            media_identifiers(alone),
+        )
         in_flight = self.state_reads.get(key)
         if in_flight is not None:
             await asyncio.wait([in_flight])

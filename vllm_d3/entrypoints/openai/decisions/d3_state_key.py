@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The prefix-cache key of a D3 prefix_bidir state block, as the front end
-sends it (upstream: ``entrypoints/openai/decisions/d3_state_key.py``, a new
-file).
+"""The prefix-cache key of a D3 prefix_bidir state block
+(upstream: ``entrypoints/openai/decisions/d3_state_key.py``, a new file).
 
 A state block reads itself both ways and never sees a question, so every key,
 value and Gated DeltaNet state inside it depends on the whole state block and
@@ -12,8 +11,9 @@ those blocks' hashes while their contents differ. ``state_cache_salt`` keys a
 request by its whole state (token ids and media identifiers, which
 ``media_identifiers`` reads from a rendered input) under the user's own
 ``cache_salt``: vLLM hashes the salt into the first block and its parent chain
-carries it to every later one. ``checkpoint_grid`` is where align mode caches
-a Gated DeltaNet state.
+carries it to every later one. The input processor keys every request so
+(``key_state_block``); the strategy finds the reads of one state in flight by
+it. ``checkpoint_grid`` is where align mode caches a Gated DeltaNet state.
 """
 
 import hashlib
