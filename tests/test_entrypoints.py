@@ -66,6 +66,7 @@ def test_vllm_loads_the_plugin_once_per_process():
     assert logs.count("vllm-d3 installed its D3 hooks") == 1
     assert "patch vllm.v1.engine.input_processor.InputProcessor.process_inputs" in logs
     assert "patch vllm.entrypoints.launchers.app.init_entrypoints_middleware" in logs
+    assert "patch vllm.config.vllm.VllmConfig.validate_block_size" in logs
     assert "strategy vllm_d3.entrypoints.openai.decisions.strategies" in logs
     assert "config vllm_d3.model_executor.models.config" in logs
     assert "model vllm_d3.model_executor.models.d3" in logs

@@ -462,3 +462,18 @@ def test_a_state_read_first_is_reused_within_the_state(make_scheduler, state_siz
     # questions: only a request without a state size (the control) reuses it.
     again = d3_request("again", STATE, QUESTIONS, state_size=state_size)
     assert schedule(scheduler, again) == {"again": (hit, 62 - hit)}
+
+
+def test_align_mode_takes_the_platforms_media_rule(make_checkpoint, hopper):
+    # CUDA and ROCm turn chunked media input off for a prefix-LM model; align
+    # mode asks for it (to end a chunk on a block inside a media item), which
+    # the state cache's scheduler never does: its engine starts.
+    config = state_cache_config(make_checkpoint(weights=False))
+    config.scheduler_config.disable_chunked_mm_input = True
+    config.validate_block_size()
+    assert config.scheduler_config.disable_chunked_mm_input
+    # Control: the causal sibling with prefix caching is held to it.
+    causal = state_cache_config(make_checkpoint(attention_mode="causal", weights=False))
+    causal.scheduler_config.disable_chunked_mm_input = True
+    with pytest.raises(AssertionError, match="Chunked MM input is required"):
+        causal.validate_block_size()

@@ -1,5 +1,5 @@
-"""The plugin's three patches of vLLM functions; ``apply`` is idempotent. The
-first two are no-ops unless the served model is a D3 ``prefix_bidir``
+"""The plugin's four patches of vLLM functions; ``apply`` is idempotent. All
+but the third are no-ops unless the served model is a D3 ``prefix_bidir``
 checkpoint. (Each Gated DeltaNet layer's ``_forward_core`` is also replaced, on
 its instance: ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``.)
 
@@ -12,7 +12,12 @@ its instance: ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``.)
    prefix caching it is then keyed by its whole state (``key_state_block``).
 3. ``init_entrypoints_middleware`` as ``entrypoints/launchers/app.py`` names it:
    ``SystemOneBodyMiddleware`` goes ahead of vLLM's own middleware, so that
-   /v1/systemone gets plain JSON. docs/upstream.md says why no hook reaches them.
+   /v1/systemone gets plain JSON.
+4. ``VllmConfig.validate_block_size``: with the state cache, align mode's
+   demand for chunked media input (which CUDA and ROCm turn off for a
+   prefix-LM model) does not apply (``serves_state_cache``).
+
+docs/upstream.md says why no hook reaches them.
 """
 
 from argparse import Namespace
@@ -23,6 +28,7 @@ from typing import Any
 
 import vllm.entrypoints.launchers.app as launchers_app
 from fastapi import FastAPI
+from vllm.config import VllmConfig
 from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
 from vllm.v1.engine.input_processor import InputProcessor
 
@@ -33,7 +39,7 @@ from .entrypoints.pooling.d3_state_tokens import (
 from .entrypoints.serve.middleware.systemone_body import (
     add_systemone_body_middleware,
 )
-from .v1.core.d3_state_cache import key_state_block
+from .v1.core.d3_state_cache import key_state_block, serves_state_cache
 
 _MARK = "__vllm_d3_patch__"
 
@@ -69,11 +75,31 @@ def _wrap_init_entrypoints_middleware(original: Callable) -> Callable:
     return init_entrypoints_middleware
 
 
+def _wrap_validate_block_size(original: Callable) -> Callable:
+    @wraps(original)
+    def validate_block_size(self: VllmConfig) -> None:
+        if not serves_state_cache(self):
+            return original(self)
+        # Align mode asks for chunked media input so as to end a chunk on a
+        # block inside a media item; the state cache's scheduler never cuts a
+        # prefix_bidir prompt, so the platform's choice stands, unchecked.
+        scheduler_config = self.scheduler_config
+        chosen = scheduler_config.disable_chunked_mm_input
+        scheduler_config.disable_chunked_mm_input = False
+        try:
+            original(self)
+        finally:
+            scheduler_config.disable_chunked_mm_input = chosen
+
+    return validate_block_size
+
+
 #: (owner, attribute, wrapper factory) of each patch.
 PATCHES: tuple[tuple[type | ModuleType, str, Callable[[Callable], Callable]], ...] = (
     (PoolingIOProcessor, "create_pooling_params", _wrap_create_pooling_params),
     (InputProcessor, "process_inputs", _wrap_process_inputs),
     (launchers_app, "init_entrypoints_middleware", _wrap_init_entrypoints_middleware),
+    (VllmConfig, "validate_block_size", _wrap_validate_block_size),
 )
 
 

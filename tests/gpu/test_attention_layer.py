@@ -7,7 +7,9 @@ plugin's config hook, so its backend is the D3 composite
 runs. On random queries and a random paged KV cache, the dense pieces, the
 ranged Triton child and a float32 PyTorch attention whose mask is written from
 the definition must agree, for single prompts, mixed and packed batches; a
-partly computed prompt (c > 0) must go to ranged Triton.
+prompt computed past its state (c >= s) must go to ranged Triton, one whose
+computed tokens lie inside its state (a state cache hit, 0 < c < s) to the
+dense pieces, over those tokens' keys read from the paged cache.
 """
 
 import pytest
@@ -45,6 +47,10 @@ BATCHES = {
     "mixed, some computed": [Prompt(600, 700, computed=100), Prompt(50, 900)],
     # The state read once: each question block sees the state and itself only.
     "packed": [Prompt(1700, 2150, question_ends=(1850, 1900, 2150))],
+    # A state cache hit: the packed row's first state tokens are cached.
+    "packed after a hit": [
+        Prompt(1700, 2150, computed=800, question_ends=(1850, 1900, 2150))
+    ],
     "packed beside one question": [
         Prompt(300, 450),
         Prompt(900, 1300, question_ends=(1000, 1001, 1150, 1300)),
@@ -52,9 +58,11 @@ BATCHES = {
     ],
 }
 #: Batches that only the dense path runs (ranged Triton cannot express them).
-PACKED = {"packed", "packed beside one question"}
-#: Batches whose keys are partly from earlier steps: ranged Triton serves them.
-PARTLY_COMPUTED = {n for n in BATCHES if any(p.computed for p in BATCHES[n])}
+PACKED = {"packed", "packed after a hit", "packed beside one question"}
+#: Batches with a prompt computed past its state: ranged Triton serves them.
+PAST_THE_STATE = {
+    n for n in BATCHES if any(p.computed >= p.state_tokens for p in BATCHES[n])
+}
 
 
 @pytest.fixture(scope="module", params=KERNEL_NAMES)
@@ -83,7 +91,7 @@ def layer(request, tmp_path_factory):
 def test_dense_pieces_match_ranged_triton_and_the_reference(layer, name):
     prompts = BATCHES[name]
     path = layer.routed_path(prompts)
-    assert path == ("ranged" if name in PARTLY_COMPUTED else "dense")
+    assert path == ("ranged" if name in PAST_THE_STATE else "dense")
     query = layer.random_query(prompts)
     keys_values = layer.fresh_keys_values(prompts)
     expected = layer.reference(prompts, query)

@@ -9,27 +9,29 @@ same tokens read as one question block (each question reading the ones before
 it) must not.
 """
 
-import os
 import random
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from vllm_d3.testing.own_process import (
+    TOKEN_IDS,
+    TOLERANCE,
+    classify_tokens,
+    flat_logits,
+    logits_from_script,
+    relative_error,
+)
+
 pytestmark = pytest.mark.gpu
 
 STATE, QUESTION, QUESTIONS = 40, 12, 4
-#: Ordinary token ids of the tiny checkpoint's tokenizer (1,437 ids in all).
-TOKEN_IDS = (300, 1200)
-#: Relative to the largest logit: float16 kernels, the same sequences.
-TOLERANCE = 2e-2
 
 
 def classify_every_way(checkpoint: str) -> dict[str, torch.Tensor]:
     """The logits of each way of sending one packed request's questions."""
-    from vllm import LLM, PoolingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     from vllm_d3.testing.gdn_forms import gdn_form
     from vllm_d3.testing.server import GDN_PREFILL_BACKEND
@@ -38,15 +40,7 @@ def classify_every_way(checkpoint: str) -> dict[str, torch.Tensor]:
 
     def classify(prompts, form: str = "as served") -> torch.Tensor:
         with gdn_form(form):
-            outputs = llm.classify(
-                [TokensPrompt(prompt_token_ids=ids) for ids, _ in prompts],
-                pooling_params=[
-                    PoolingParams(task="classify", use_activation=False, extra_kwargs=x)
-                    for _, x in prompts
-                ],
-                use_tqdm=False,
-            )
-        return torch.cat([torch.as_tensor(o.outputs.probs).flatten() for o in outputs])
+            return flat_logits(classify_tokens(llm, prompts))
 
     rng = random.Random(0)
     state = [rng.randrange(*TOKEN_IDS) for _ in range(STATE)]
@@ -70,31 +64,19 @@ def classify_every_way(checkpoint: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def logits(make_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("packed-gdn") / "logits.pt"
-    done = subprocess.run(
-        [sys.executable, __file__, make_checkpoint(), str(out)],
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(out)
-
-
-def error(out: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((out - expected).abs().max() / expected.abs().max()).item()
+    return logits_from_script(__file__, make_checkpoint(), out)
 
 
 @pytest.mark.parametrize("form", ["one scan", "two phases", "one pass"])
 def test_each_form_answers_every_question_as_its_own_prompt(logits, form):
-    assert error(logits[form], logits["own prompts"]) < TOLERANCE
+    assert relative_error(logits[form], logits["own prompts"]) < TOLERANCE
 
 
 def test_questions_read_as_one_block_are_clearly_wrong(logits):
     # The last question reading every one before it, against its own prompt.
     one_block = logits["one block"]
     expected = logits["own prompts"][-one_block.numel() :]
-    assert error(one_block, expected) > 5 * TOLERANCE
+    assert relative_error(one_block, expected) > 5 * TOLERANCE
 
 
 if __name__ == "__main__":

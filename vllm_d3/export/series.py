@@ -315,6 +315,9 @@ as that cache:
   by its whole state block (its token ids, or its embeddings' digest, and the
   media inside it) under the user's cache_salt, so that two states that
   differ anywhere share no block;
+- align mode's demand for chunked media input (which CUDA and ROCm turn off
+  for a prefix-LM model, so the engine would not start) is waived for it
+  (VllmConfig.validate_block_size): its scheduler cuts no prompt;
 - the scheduler reads a prompt that carries d3_state_tokens whole or lets it
   wait (whatever would cut it: the token budget, Mamba's block-aligned split,
   an encoder cap), and bounds its prefix-cache hit strictly inside its state;

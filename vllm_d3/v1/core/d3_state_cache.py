@@ -74,6 +74,17 @@ def select_state_cache(vllm_config: "VllmConfig") -> None:
     )
 
 
+def serves_state_cache(vllm_config: "VllmConfig") -> bool:
+    """Whether ``vllm_config`` serves a prefix_bidir checkpoint's state cache,
+    whose scheduler reads every prompt whole."""
+    model_config = vllm_config.model_config
+    return (
+        model_config is not None
+        and vllm_config.cache_config.enable_prefix_caching
+        and is_prefix_bidir(decision_config_of(model_config.hf_config))
+    )
+
+
 def _state_cache_refused(vllm_config: "VllmConfig") -> str | None:
     """Why the settings cannot serve the state cache, or ``None``."""
     extra = vllm_config.additional_config
@@ -102,9 +113,7 @@ def key_state_block(vllm_config: "VllmConfig", request: "EngineCoreRequest") -> 
     point's requests pass here (the input processor), so no two states that
     differ anywhere share a cached block."""
     params = request.pooling_params
-    if params is None or not vllm_config.cache_config.enable_prefix_caching:
-        return
-    if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
+    if params is None or not serves_state_cache(vllm_config):
         return
     s = (params.extra_kwargs or {})[STATE_TOKENS_KEY]
     features = sorted(request.mm_features or (), key=lambda f: f.mm_position.offset)
