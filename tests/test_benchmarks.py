@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import d3, report, vllm_side
+from benchmarks import d3, report, state_cache, vllm_side
 from benchmarks.reference_side import RandomInitRuntime, token_accounting
 from benchmarks.rows import (
     LATENCY_ROWS,
@@ -885,3 +885,68 @@ def test_startup_steps_names_steps_vllm_has():
         for part in path.split("."):
             owner = getattr(owner, part)
         assert callable(owner), path
+
+
+# ------------------------------------------------------------- the state cache
+
+
+def test_the_state_cache_benchmark_reads_the_kv_cache_size():
+    # As vLLM 0.33.0 logs it (``kv_cache_utils``), and without it.
+    line = (
+        "(EngineCore pid=7) INFO 12-05 02:43:18 [kv_cache_utils.py:1148] GPU KV "
+        "cache size: 915,328 tokens, Maximum concurrency for 131,072 tokens per "
+        "request: 6.98x"
+    )
+    assert state_cache.kv_cache_tokens(f"start\n{line}\nmore") == 915_328
+    with pytest.raises(ValueError, match="no KV cache size"):
+        state_cache.kv_cache_tokens("INFO Model loading took 1.0 GiB")
+
+
+def test_a_page_asks_its_questions_once_over_its_requests():
+    rng = random.Random(0)
+    (page,) = state_cache.make_pages(rng, 1, per_token=0.01)
+    assert len(page) == state_cache.PAGE_REQUESTS == 4
+    assert len({request["state"] for request in page}) == 1
+    sizes = [len(request["questions"]) for request in page]
+    assert sizes == [7, 7, 6, 6]
+    asked = [name for request in page for name in request["questions"]]
+    assert asked == [f"q{i}" for i in range(state_cache.PAGE_QUESTIONS)]
+
+
+def test_the_state_cache_summary_takes_every_pass_and_set():
+    def table(max_dp: float, changed: int) -> dict:
+        return {
+            "questions": 4,
+            "decisions_changed": changed,
+            "changed_near_ties": changed,
+            "max_dp": max_dp,
+        }
+
+    answers = {
+        "passes": {
+            "cold": {"cached_tokens": 0, "sets": {"a": table(0.001, 0)}},
+            "cached": {"cached_tokens": 96, "sets": {"a": table(0.003, 1)}},
+            "after eviction": {
+                "cached_tokens": 0,
+                "sets": {"a": table(0.002, 0), "b": table(0.004, 1)},
+            },
+        }
+    }
+    speed = {
+        side: {"repeat_first_s": first, "repeat_second_s": 0.3, "pages_per_s": rate}
+        for side, first, rate in (("uncached", 7.6, 0.2), ("cached", 7.7, 0.7))
+    }
+    summary = state_cache.summary(answers, {"control_max_dp": 0.3}, speed)
+    assert summary == {
+        "repeat_64k_first_s": 7.7,
+        "repeat_64k_second_s": 0.3,
+        "repeat_64k_uncached_s": 7.6,
+        "pages_per_s_cached": 0.7,
+        "pages_per_s_uncached": 0.2,
+        "validation_max_dp": 0.004,
+        "decisions_changed": 2,
+        "control_max_dp": 0.3,
+    }
+    text = state_cache.report({"summary": summary, "answers": answers})
+    assert "| validation_max_dp | 0.004 |" in text
+    assert "## cached (96 tokens from the cache)" in text

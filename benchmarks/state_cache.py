@@ -1,0 +1,347 @@
+"""The state cache on one GPU: its answers against uncached ones, a control
+keyed on a shared prefix only, and its speed (GPU).
+
+``python -m benchmarks.state_cache --out DIR [--quick] [--seconds 60]
+[--clients 16] [--serve-arg=FLAG ...]``
+
+Contract:
+- Answers: the validation's prefix_bidir checkpoint and sets (``--quick``, as
+  the validation's) over ``/v1/systemone``, from ``vllm serve`` without, then
+  with ``--enable-prefix-caching`` (its KV cache ``--answers-kv-cache-bytes``).
+  With, every set goes three times: ``cold``, ``cached`` (its states read
+  before) and ``after eviction`` (after other states of about
+  ``EVICT_FACTOR`` times the KV cache's tokens went through). Each pass
+  against the uncached answers (``compare``), with the tokens it took from the
+  cache (``usage``).
+- Control: ``vllm_d3.testing.state_cache_reads`` on the same checkpoint, in a
+  process of its own: a state that differs from one read before in its last
+  token, read with the key left out, against it read uncached (max |dp|).
+- Speed: the d3-turbo-shaped package (random weights) at ``--max-model-len``
+  131072, uncached then cached: after an untimed request of the same size, a
+  ``REPEAT_TOKENS`` state with 2 questions sent twice (each timed), then
+  ``--clients`` clients for ``--seconds``, each sending pages one after
+  another: a ``PAGE_TOKENS`` state with ``PAGE_QUESTIONS`` questions as
+  ``PAGE_REQUESTS`` requests at once (a page ends when all are answered);
+  pages/s.
+- Writes ``OUT/state-cache.json`` with the keys ``SUMMARY_KEYS`` and the
+  details, and ``OUT/state-cache.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from vllm_d3.testing.compare import compare, flatten
+from vllm_d3.testing.own_process import logits_from_script
+from vllm_d3.testing.requests import questions, text_state, words_per_token
+from vllm_d3.testing.server import Server, post
+
+from .startup import package
+from .timing import log
+from .validation import LONG_MAX_MODEL_LEN, build_checkpoints, scaled_sets
+
+ROUTE = "/v1/systemone"
+PASSES = ("cold", "cached", "after eviction")
+#: The states that evict the sets' ones: this many times the KV cache's tokens.
+EVICT_FACTOR = 1.5
+#: The longest eviction state, within the validation checkpoint's length.
+EVICT_STATE_TOKENS = 30_000
+REPEAT_TOKENS = 64_000
+PAGE_TOKENS, PAGE_QUESTIONS, PAGE_REQUESTS = 47_000, 26, 4
+SUMMARY_KEYS = (
+    "repeat_64k_first_s",
+    "repeat_64k_second_s",
+    "repeat_64k_uncached_s",
+    "pages_per_s_cached",
+    "pages_per_s_uncached",
+    "validation_max_dp",
+    "decisions_changed",
+    "control_max_dp",
+)
+KV_CACHE_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def kv_cache_tokens(log_text: str) -> int:
+    """The KV cache's size in tokens, as the server logged it."""
+    found = KV_CACHE_TOKENS.search(log_text)
+    if found is None:
+        raise ValueError("the server log names no KV cache size")
+    return int(found.group(1).replace(",", ""))
+
+
+def split_questions(asked: dict[str, Any], parts: int) -> list[dict[str, Any]]:
+    """``asked`` in ``parts`` requests' worth, as even as they go, in order."""
+    names = list(asked)
+    size, extra = divmod(len(names), parts)
+    chunks, start = [], 0
+    for part in range(parts):
+        end = start + size + (part < extra)
+        chunks.append({name: asked[name] for name in names[start:end]})
+        start = end
+    return chunks
+
+
+def send_sets(url: str, sets: dict[str, list[dict]]) -> tuple[dict, int]:
+    """Every set's answers, and the tokens their requests took from the cache."""
+    answers: dict[str, list[dict]] = {}
+    cached = 0
+    for name, requests in sets.items():
+        for request in requests:
+            status, body = post(url + ROUTE, request)
+            if status != 200:
+                raise RuntimeError(f"{name}: HTTP {status}: {body}")
+            answers.setdefault(name, []).append(body)
+            cached += body["usage"]["input_tokens_details"]["cached_tokens"]
+    return answers, cached
+
+
+def evict(url: str, rng: random.Random, tokens: int, per_token: float) -> int:
+    """Send states of ``tokens`` tokens in all, never seen before; returns the
+    tokens sent."""
+    sent = 0
+    while sent < tokens:
+        state_tokens = min(EVICT_STATE_TOKENS, tokens - sent)
+        words = max(1, int(state_tokens * per_token))
+        body = {"state": text_state(rng, words), "questions": questions(rng, 1)}
+        status, reply = post(url + ROUTE, body)
+        if status != 200:
+            raise RuntimeError(f"eviction state: HTTP {status}: {reply}")
+        sent += state_tokens
+    return sent
+
+
+def answers_part(args: argparse.Namespace, work: Path, per_token: float) -> dict:
+    """The three passes against uncached answers, per set."""
+    checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
+    sets = scaled_sets(checkpoint, quick=args.quick)
+    with Server(checkpoint, *args.serve_arg, log_file=args.out / "serve.log") as s:
+        s.wait()
+        uncached, _ = send_sets(s.url, sets)
+    log("answers: uncached")
+    flags = [
+        "--enable-prefix-caching",
+        "--kv-cache-memory-bytes",
+        str(args.answers_kv_cache_bytes),
+        *args.serve_arg,
+    ]
+    log_file = args.out / "serve-cached.log"
+    passes: dict[str, Any] = {}
+    with Server(checkpoint, *flags, log_file=log_file) as server:
+        server.wait()
+        capacity = kv_cache_tokens(log_file.read_text())
+        for name in PASSES:
+            evicted = 0
+            if name == "after eviction":
+                rng = random.Random(1)
+                evicted = evict(
+                    server.url, rng, int(EVICT_FACTOR * capacity), per_token
+                )
+            answers, cached = send_sets(server.url, sets)
+            passes[name] = {
+                "cached_tokens": cached,
+                "evicted_tokens": evicted,
+                "sets": {
+                    n: compare(flatten(uncached[n]), flatten(answers[n])) for n in sets
+                },
+            }
+            log(f"answers: {name}, {cached} tokens from the cache")
+    return {"kv_cache_tokens": capacity, "passes": passes}
+
+
+def control_part(work: Path) -> dict:
+    """The unkeyed hit against the same request uncached, in probabilities."""
+    checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
+    codes = len(
+        json.loads((Path(checkpoint) / "decision_config.json").read_text())["codes"]
+    )
+    logits = logits_from_script(
+        _reads_script(), checkpoint, work / "state-cache-reads.pt"
+    )
+
+    def probabilities(name: str) -> torch.Tensor:
+        return logits[name].float().view(-1, codes).softmax(-1)
+
+    return {
+        "control_max_dp": float(
+            (probabilities("other, unkeyed") - probabilities("other, uncached"))
+            .abs()
+            .max()
+        ),
+        "control_cached_tokens": logits["other, unkeyed cached"].tolist(),
+        "packed_cached_max_dp": float(
+            (probabilities("packed, cached") - probabilities("uncached")).abs().max()
+        ),
+    }
+
+
+def _reads_script() -> str:
+    from vllm_d3.testing import state_cache_reads
+
+    return state_cache_reads.__file__
+
+
+async def _page(client: httpx.AsyncClient, url: str, page: list[dict]) -> None:
+    replies = await asyncio.gather(*(client.post(url + ROUTE, json=r) for r in page))
+    for reply in replies:
+        reply.raise_for_status()
+
+
+async def _pages_per_s(
+    url: str, pages: list[list[dict]], clients: int, seconds: float
+) -> float:
+    """Pages completed per second by ``clients`` clients in ``seconds``."""
+    done = 0
+    deadline = time.monotonic() + seconds
+    queue = iter(pages)
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        nonlocal done
+        for page in queue:
+            if time.monotonic() >= deadline:
+                return
+            await _page(client, url, page)
+            done += time.monotonic() < deadline
+
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=None) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+    return done / min(seconds, time.monotonic() - started)
+
+
+def make_pages(rng: random.Random, count: int, per_token: float) -> list[list[dict]]:
+    """``count`` pages, each a new state asked as ``PAGE_REQUESTS`` requests."""
+    pages = []
+    for _ in range(count):
+        state = text_state(rng, int(PAGE_TOKENS * per_token))
+        asked = questions(rng, PAGE_QUESTIONS)
+        parts = split_questions(asked, PAGE_REQUESTS)
+        pages.append([{"state": state, "questions": part} for part in parts])
+    return pages
+
+
+def timed(url: str, request: dict) -> float:
+    started = time.monotonic()
+    status, reply = post(url + ROUTE, request)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {reply}")
+    return time.monotonic() - started
+
+
+def speed_part(args: argparse.Namespace, work: Path) -> dict:
+    """The repeated 64K state and the pages, uncached then cached."""
+    checkpoint = str(package(work, "prefix_bidir"))
+    from transformers import AutoTokenizer
+
+    per_token = words_per_token(AutoTokenizer.from_pretrained(checkpoint))
+    rng = random.Random(0)
+    # The first, untimed, warms the server up (first-call compilations).
+    warm_up, repeat = (
+        {
+            "state": text_state(rng, int(REPEAT_TOKENS * per_token)),
+            "questions": questions(rng, 2),
+        }
+        for _ in range(2)
+    )
+    # Pages enough for either side; each state is read by one page only.
+    pages = make_pages(rng, args.pages, per_token)
+    results: dict[str, Any] = {}
+    for side, flags in (("uncached", []), ("cached", ["--enable-prefix-caching"])):
+        all_flags = [
+            "--max-model-len",
+            str(LONG_MAX_MODEL_LEN),
+            *flags,
+            *args.serve_arg,
+        ]
+        log_file = args.out / f"serve-speed-{side}.log"
+        with Server(checkpoint, *all_flags, log_file=log_file) as server:
+            server.wait(900)
+            timed(server.url, warm_up)
+            first, second = timed(server.url, repeat), timed(server.url, repeat)
+            rate = asyncio.run(
+                _pages_per_s(server.url, pages, args.clients, args.seconds)
+            )
+        results[side] = {
+            "repeat_first_s": first,
+            "repeat_second_s": second,
+            "pages_per_s": rate,
+        }
+        log(f"speed, {side}: {first:.2f} s, then {second:.2f} s; {rate:.2f} pages/s")
+    return results
+
+
+def summary(answers: dict, control: dict, speed: dict) -> dict[str, Any]:
+    """The issue's keys from the three parts."""
+    tables = [t for p in answers["passes"].values() for t in p["sets"].values()]
+    return {
+        "repeat_64k_first_s": speed["cached"]["repeat_first_s"],
+        "repeat_64k_second_s": speed["cached"]["repeat_second_s"],
+        "repeat_64k_uncached_s": speed["uncached"]["repeat_first_s"],
+        "pages_per_s_cached": speed["cached"]["pages_per_s"],
+        "pages_per_s_uncached": speed["uncached"]["pages_per_s"],
+        "validation_max_dp": max(t["max_dp"] for t in tables),
+        "decisions_changed": sum(t["decisions_changed"] for t in tables),
+        "control_max_dp": control["control_max_dp"],
+    }
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = ["# The state cache on one GPU", "", "| key | value |", "|---|---|"]
+    lines += [f"| {k} | {results['summary'][k]} |" for k in SUMMARY_KEYS]
+    for name, done in results["answers"]["passes"].items():
+        lines += ["", f"## {name} ({done['cached_tokens']} tokens from the cache)", ""]
+        lines += [
+            "| set | questions | decisions changed (near ties) | max dp |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {n} | {t['questions']} | {t['decisions_changed']} "
+            f"({t['changed_near_ties']}) | {t['max_dp']:.4f} |"
+            for n, t in done["sets"].items()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--pages", type=int, default=400)
+    parser.add_argument("--answers-kv-cache-bytes", type=int, default=2**30)
+    parser.add_argument("--serve-arg", action="append", default=[])
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.out / "work"
+    work.mkdir(exist_ok=True)
+    from transformers import AutoTokenizer
+
+    checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
+    per_token = words_per_token(AutoTokenizer.from_pretrained(checkpoint))
+    answers = answers_part(args, work, per_token)
+    control = control_part(work)
+    speed = speed_part(args, work)
+    results = {
+        "summary": summary(answers, control, speed),
+        "answers": answers,
+        "control": control,
+        "speed": speed,
+        "settings": {k: str(v) for k, v in vars(args).items()},
+    }
+    (args.out / "state-cache.json").write_text(json.dumps(results, indent=1))
+    (args.out / "state-cache.md").write_text(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

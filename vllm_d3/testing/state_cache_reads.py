@@ -1,0 +1,73 @@
+"""The state cache's reads through ``vllm.LLM``, run as a script in a process
+of its own (``own_process.logits_from_script``): ``python -m
+vllm_d3.testing.state_cache_reads CHECKPOINT OUT``.
+
+``cached_and_uncached(checkpoint)`` serves a prefix_bidir checkpoint with
+prefix caching and returns each read's logits and the tokens it found cached
+(``"<read> cached"``): a packed request with nothing cached, then after its
+state was read alone, then each question's own prompt; the control reads the
+state alone with the key left out (``key_state_block`` not called), then a
+state that differs from it in its last token, whose hit takes the first
+state's blocks (``"other, unkeyed"``, against ``"other, uncached"``).
+"""
+
+import random
+import sys
+
+import torch
+
+from vllm_d3.testing.own_process import TOKEN_IDS, classify_tokens, flat_logits
+
+STATE, QUESTION, QUESTIONS = 700, 12, 4
+
+
+def cached_and_uncached(checkpoint: str) -> dict[str, torch.Tensor]:
+    """Each read's logits, and the tokens it found cached (``... cached``)."""
+    from vllm import LLM
+
+    import vllm_d3.patches
+    from vllm_d3.testing.server import GDN_PREFILL_BACKEND
+
+    llm = LLM(
+        model=checkpoint,
+        gdn_prefill_backend=GDN_PREFILL_BACKEND,
+        enable_prefix_caching=True,
+    )
+    found: dict[str, torch.Tensor] = {}
+
+    def classify(name: str, prompts) -> None:
+        outputs = classify_tokens(llm, prompts)
+        found[name] = flat_logits(outputs)
+        found[f"{name} cached"] = torch.tensor([o.num_cached_tokens for o in outputs])
+
+    rng = random.Random(0)
+    state = [rng.randrange(*TOKEN_IDS) for _ in range(STATE)]
+    other = state[:-1] + [TOKEN_IDS[0] + (state[-1] + 1 - TOKEN_IDS[0]) % 900]
+    questions = [
+        [rng.randrange(*TOKEN_IDS) for _ in range(QUESTION)] for _ in range(QUESTIONS)
+    ]
+    ends = [STATE + QUESTION * (i + 1) for i in range(QUESTIONS)]
+    sized = {"d3_state_tokens": STATE}
+
+    def packed(s: list[int]):
+        ids = s + [t for q in questions for t in q]
+        return [(ids, {**sized, "d3_question_ends": ends})]
+
+    config = llm.llm_engine.vllm_config.cache_config
+    found["block sizes"] = torch.tensor([config.block_size, config.mamba_block_size])
+    classify("uncached", packed(state))
+    classify("state alone", [(state, sized)])
+    classify("packed, cached", packed(state))
+    classify("own prompts, cached", [(state + q, sized) for q in questions])
+    # The control: the other state is read first with its own key (nothing of
+    # it cached), then, the key left out, after the first state read alone.
+    classify("other, uncached", packed(other))
+    vllm_d3.patches.key_state_block = lambda *args: None
+    classify("state alone, unkeyed", [(state, sized)])
+    classify("other, unkeyed", packed(other))
+    return found
+
+
+if __name__ == "__main__":
+    checkpoint, out = sys.argv[1:]
+    torch.save(cached_and_uncached(checkpoint), out)
