@@ -5,8 +5,8 @@ the scheduler's rules for a request that carries a state block size
 (upstream: ``v1/core/d3_state_cache.py``, a new file).
 
 A state block's keys, values and Gated DeltaNet states depend on the whole
-state block, which the front end's key covers (``d3_state_key.py``); a block
-past the state holds question tokens, which read their whole question.
+state block, which its key covers (``d3_state_key.py``); a block past the
+state holds question tokens, which read their whole question.
 ``select_state_cache`` serves ``--enable-prefix-caching`` as that cache or
 refuses the settings it cannot run with; the input processor keys every
 request by its whole state (``key_state_block``); the scheduler keeps a hit
