@@ -527,7 +527,8 @@ def test_question_ends_default_to_one_question():
 
 
 class EncodeSpy:
-    """The strategy's tokenizer, recording the texts ``encode`` is given; with
+    """The strategy's tokenizer, recording the texts it encodes (``encode``,
+    or called with offsets); with
     ``merge_at_colon``, a tokenizer that tokenizes a text opening with ``:``
     differently (as one that merges across the shared head's end would)."""
 
@@ -541,8 +542,9 @@ class EncodeSpy:
         ids = self.tokenizer.encode(text, **kwargs)
         return [ids[0], *ids] if self.merge_at_colon and text[:1] == ":" else ids
 
-    def __call__(self, *args, **kwargs):
-        return self.tokenizer(*args, **kwargs)
+    def __call__(self, text, **kwargs):
+        self.texts.append(text)
+        return self.tokenizer(text, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
@@ -589,12 +591,29 @@ def test_questions_are_tokenized_as_whole_prompts(make_checkpoint, state):
         assert [inputs["prompt_token_ids"] for inputs, _ in engine.reads] == whole
         if "\n\nQuestion:" in rendered:
             continue  # the head ends inside the state: exact, saves less
-        # ``encode`` sees the state once for all the questions of the first
-        # request, and once more for the strategy's check of its first split;
+        # The tokenizer sees the state once for all the questions of the first
+        # request (their shared head, whose offsets also give the state's
+        # size), and once more for the strategy's check of its first split;
         # the second request, with the same head, reuses its tokens.
         with_state = sum(f"State:\n{rendered}\n\n" in text for text in spy.texts)
         assert with_state == (2 if request == "a" else 0)
     assert strategy.splits_heads is True
+
+
+def test_a_state_size_takes_no_other_requests_head(make_checkpoint):
+    # Another request's head ("... x\n\nQuestion") can open this prompt's
+    # text without being its head (its state goes on "s are fine"): the state's
+    # size is then read from the whole text, as the first time.
+    strategy, engine = make_strategy(make_checkpoint(weights=False))
+    state = "x\n\nQuestions are fine"
+    read(strategy, state)
+    inputs, params = engine.reads[0]
+    read(strategy, "x")
+    assert strategy.splits_heads and state.startswith("x")
+    question = build_question(*QUESTIONS[0], 255, labeled=False)
+    rendered = strategy.render_state(state)
+    size = strategy.state_tokens(question, rendered, None, inputs["prompt_token_ids"])
+    assert size == params.extra_kwargs["d3_state_tokens"]
 
 
 def test_a_tokenizer_that_merges_across_the_split_gets_whole_prompts(

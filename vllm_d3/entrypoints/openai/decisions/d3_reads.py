@@ -172,9 +172,10 @@ class D3StateBlockReads:
         #: waits for the one in flight instead of reading it again.
         self.state_reads: dict[str, asyncio.Task[PoolingRequestOutput]] = {}
         #: Whether prompts are tokenized as a shared head and a tail (None:
-        #: not checked yet), and the last head with its tokens.
+        #: not checked yet), and the last head with its tokens and their
+        #: character offsets.
         self.splits_heads: bool | None = None if self.prefix_bidir else False
-        self.last_head: tuple[str, list[int]] = ("", [])
+        self.last_head: tuple[str, list[int], list[tuple[int, int]]] = ("", [], [])
         #: Where the reads go (the engine client the strategy was built with).
         self.engine_client = engine_client
 
@@ -202,7 +203,7 @@ class D3StateBlockReads:
         cut += len(SHARED_HEAD_END)
         head, tail = text[:cut], text[cut:]
         if self.last_head[0] != head:
-            self.last_head = (head, encode(head))
+            self.last_head = (head, *self._encoded(head))
         ids = self.last_head[1] + encode(tail)
         if self.splits_heads is None:
             whole = encode(text)
@@ -232,14 +233,32 @@ class D3StateBlockReads:
             raise StructuredDecisionError(
                 "the chat template did not render the D3 state block as expected"
             )
-        tokenizer = self.tokenizer  # a Hugging Face fast tokenizer
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        text_ids = encoded["input_ids"]
+        text_ids, offsets = self._text_tokens(text)
         if list(prompt_ids[len(prompt_ids) - len(text_ids) :]) != list(text_ids):
             raise StructuredDecisionError("the D3 prompt was not rendered as expected")
         media_tokens = len(prompt_ids) - len(text_ids)
         state_end = start + len(head) + len(state)
-        return media_tokens + state_block_size(encoded["offset_mapping"], state_end)
+        return media_tokens + state_block_size(offsets, state_end)
+
+    def _encoded(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``text``'s tokens (as ``_tokens`` gives them) and their character
+        offsets."""
+        tokenizer = self.tokenizer  # a Hugging Face fast tokenizer
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoded["input_ids"]), list(encoded["offset_mapping"])
+
+    def _text_tokens(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """A question prompt's text as ``_encoded`` gives it, its head's part
+        from the last head encoded where that is this text's (a long state is
+        then not encoded again)."""
+        head = self.last_head[0]
+        # Split only where ``question_tokens`` splits: before the ``:``.
+        split = head and text.startswith(head) and text.startswith(":", len(head))
+        if not self.splits_heads or not split:
+            return self._encoded(text)
+        tail_ids, tail_offsets = self._encoded(text[len(head) :])
+        shifted = [(start + len(head), end + len(head)) for start, end in tail_offsets]
+        return self.last_head[1] + tail_ids, self.last_head[2] + shifted
 
     async def read_state_blocks(
         self,
