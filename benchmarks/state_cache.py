@@ -7,7 +7,8 @@ keyed on a shared prefix only, and its speed (GPU).
 Contract:
 - Answers: the validation's prefix_bidir checkpoint and sets (``--quick``, as
   the validation's) over ``/v1/systemone``, from ``vllm serve`` without, then
-  with ``--enable-prefix-caching`` (its KV cache ``--answers-kv-cache-bytes``).
+  with ``--enable-prefix-caching`` and a KV cache of about
+  ``--kv-cache-tokens`` (sized by a first start).
   With, every set goes three times: ``cold``, ``cached`` (its states read
   before) and ``after eviction`` (after other states of about
   ``EVICT_FACTOR`` times the KV cache's tokens went through). Each pass
@@ -48,7 +49,12 @@ from vllm_d3.testing.server import Server, post
 
 from .startup import package
 from .timing import log
-from .validation import LONG_MAX_MODEL_LEN, build_checkpoints, scaled_sets
+from .validation import (
+    LONG_MAX_MODEL_LEN,
+    build_checkpoints,
+    scaled_sets,
+    server_flags,
+)
 
 ROUTE = "/v1/systemone"
 PASSES = ("cold", "cached", "after eviction")
@@ -56,6 +62,8 @@ PASSES = ("cold", "cached", "after eviction")
 EVICT_FACTOR = 1.5
 #: The longest eviction state, within the validation checkpoint's length.
 EVICT_STATE_TOKENS = 30_000
+#: The KV cache of the start that measures how many tokens a byte holds.
+PROBE_KV_CACHE_BYTES = 2**30
 REPEAT_TOKENS = 64_000
 PAGE_TOKENS, PAGE_QUESTIONS, PAGE_REQUESTS = 47_000, 26, 4
 SUMMARY_KEYS = (
@@ -124,16 +132,15 @@ def answers_part(args: argparse.Namespace, work: Path, per_token: float) -> dict
     """The three passes against uncached answers, per set."""
     checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
     sets = scaled_sets(checkpoint, quick=args.quick)
-    with Server(checkpoint, *args.serve_arg, log_file=args.out / "serve.log") as s:
-        s.wait()
-        uncached, _ = send_sets(s.url, sets)
+    # The long sets need the longer length, as in the validation.
+    plain = server_flags(not args.quick, {}, args.serve_arg)
+    with Server(checkpoint, *plain, log_file=args.out / "serve.log") as server:
+        server.wait()
+        uncached, _ = send_sets(server.url, sets)
     log("answers: uncached")
-    flags = [
-        "--enable-prefix-caching",
-        "--kv-cache-memory-bytes",
-        str(args.answers_kv_cache_bytes),
-        *args.serve_arg,
-    ]
+    cached_flags = ["--enable-prefix-caching", *plain]
+    kv_bytes = kv_cache_bytes(checkpoint, cached_flags, args.out, args.kv_cache_tokens)
+    flags = [*cached_flags, "--kv-cache-memory-bytes", str(kv_bytes)]
     log_file = args.out / "serve-cached.log"
     passes: dict[str, Any] = {}
     with Server(checkpoint, *flags, log_file=log_file) as server:
@@ -156,6 +163,22 @@ def answers_part(args: argparse.Namespace, work: Path, per_token: float) -> dict
             }
             log(f"answers: {name}, {cached} tokens from the cache")
     return {"kv_cache_tokens": capacity, "passes": passes}
+
+
+def kv_cache_bytes(checkpoint: str, flags: list[str], out: Path, tokens: int) -> int:
+    """The ``--kv-cache-memory-bytes`` that holds about ``tokens`` tokens: a
+    first start with ``PROBE_KV_CACHE_BYTES`` says how many it holds there
+    (small, so that eviction takes few states)."""
+    probe = [*flags, "--kv-cache-memory-bytes", str(PROBE_KV_CACHE_BYTES)]
+    log_file = out / "serve-kv-probe.log"
+    with Server(checkpoint, *probe, log_file=log_file) as server:
+        server.wait()
+    return scaled_bytes(kv_cache_tokens(log_file.read_text()), tokens)
+
+
+def scaled_bytes(probe_tokens: int, tokens: int) -> int:
+    """``PROBE_KV_CACHE_BYTES`` scaled from ``probe_tokens`` to ``tokens``."""
+    return -(-PROBE_KV_CACHE_BYTES * tokens // probe_tokens)
 
 
 def control_part(work: Path) -> dict:
@@ -318,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--pages", type=int, default=400)
-    parser.add_argument("--answers-kv-cache-bytes", type=int, default=2**30)
+    parser.add_argument("--kv-cache-tokens", type=int, default=2 * LONG_MAX_MODEL_LEN)
     parser.add_argument("--serve-arg", action="append", default=[])
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
