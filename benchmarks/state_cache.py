@@ -45,7 +45,7 @@ import torch
 from vllm_d3.testing.compare import compare, flatten
 from vllm_d3.testing.own_process import logits_from_script
 from vllm_d3.testing.requests import questions, text_state, words_per_token
-from vllm_d3.testing.server import Server, post
+from vllm_d3.testing.server import Server
 
 from .startup import package
 from .timing import log
@@ -55,6 +55,7 @@ from .validation import (
     scaled_sets,
     server_flags,
 )
+from .vllm_side import systemone
 
 ROUTE = "/v1/systemone"
 PASSES = ("cold", "cached", "after eviction")
@@ -101,15 +102,12 @@ def split_questions(asked: dict[str, Any], parts: int) -> list[dict[str, Any]]:
 
 def send_sets(url: str, sets: dict[str, list[dict]]) -> tuple[dict, int]:
     """Every set's answers, and the tokens their requests took from the cache."""
-    answers: dict[str, list[dict]] = {}
-    cached = 0
-    for name, requests in sets.items():
-        for request in requests:
-            status, body = post(url + ROUTE, request)
-            if status != 200:
-                raise RuntimeError(f"{name}: HTTP {status}: {body}")
-            answers.setdefault(name, []).append(body)
-            cached += body["usage"]["input_tokens_details"]["cached_tokens"]
+    answers = {name: [systemone(url, r) for r in rs] for name, rs in sets.items()}
+    cached = sum(
+        body["usage"]["input_tokens_details"]["cached_tokens"]
+        for bodies in answers.values()
+        for body in bodies
+    )
     return answers, cached
 
 
@@ -120,17 +118,16 @@ def evict(url: str, rng: random.Random, tokens: int, per_token: float) -> int:
     while sent < tokens:
         state_tokens = min(EVICT_STATE_TOKENS, tokens - sent)
         words = max(1, int(state_tokens * per_token))
-        body = {"state": text_state(rng, words), "questions": questions(rng, 1)}
-        status, reply = post(url + ROUTE, body)
-        if status != 200:
-            raise RuntimeError(f"eviction state: HTTP {status}: {reply}")
+        systemone(
+            url, {"state": text_state(rng, words), "questions": questions(rng, 1)}
+        )
         sent += state_tokens
     return sent
 
 
-def answers_part(args: argparse.Namespace, work: Path, per_token: float) -> dict:
-    """The three passes against uncached answers, per set."""
-    checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
+def answers_part(args: argparse.Namespace, checkpoint: str, per_token: float) -> dict:
+    """The three passes against uncached answers, per set, on the validation's
+    ``checkpoint``."""
     sets = scaled_sets(checkpoint, quick=args.quick)
     # The long sets need the longer length, as in the validation.
     plain = server_flags(not args.quick, {}, args.serve_arg)
@@ -181,9 +178,8 @@ def scaled_bytes(probe_tokens: int, tokens: int) -> int:
     return -(-PROBE_KV_CACHE_BYTES * tokens // probe_tokens)
 
 
-def control_part(work: Path) -> dict:
+def control_part(checkpoint: str, work: Path) -> dict:
     """The unkeyed hit against the same request uncached, in probabilities."""
-    checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
     codes = len(
         json.loads((Path(checkpoint) / "decision_config.json").read_text())["codes"]
     )
@@ -254,9 +250,7 @@ def make_pages(rng: random.Random, count: int, per_token: float) -> list[list[di
 
 def timed(url: str, request: dict) -> float:
     started = time.monotonic()
-    status, reply = post(url + ROUTE, request)
-    if status != 200:
-        raise RuntimeError(f"HTTP {status}: {reply}")
+    systemone(url, request)
     return time.monotonic() - started
 
 
@@ -351,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
     per_token = words_per_token(AutoTokenizer.from_pretrained(checkpoint))
-    answers = answers_part(args, work, per_token)
-    control = control_part(work)
+    answers = answers_part(args, checkpoint, per_token)
+    control = control_part(checkpoint, work)
     speed = speed_part(args, work)
     results = {
         "summary": summary(answers, control, speed),

@@ -165,12 +165,12 @@ class MemoryPoller:
         }
 
 
-def _systemone(url: str, request: dict[str, Any]) -> int:
-    """POST one request; its ``usage.input_tokens``, or raise on non-200."""
+def systemone(url: str, request: dict[str, Any]) -> dict[str, Any]:
+    """POST one request; its reply, or raise on non-200."""
     status, body = post(url + "/v1/systemone", request, timeout=REQUEST_TIMEOUT_S)
     if status != 200:
         raise RuntimeError(f"HTTP {status}: {json.dumps(body)[:300]}")
-    return int(body["usage"]["input_tokens"])
+    return body
 
 
 def engine_totals(url: str) -> dict[str, tuple[float, float]]:
@@ -266,7 +266,7 @@ def closed_loop(
             began = time.perf_counter()
             questions: int | None = question_count(request)
             try:
-                _systemone(url, request)
+                systemone(url, request)
             except Exception as error:  # counted, the load goes on
                 questions = None
                 with lock:
@@ -359,7 +359,7 @@ def run_group(
     with Server(checkpoint, *flags, log_file=log_file) as server:
         try:
             server.wait(timeout=SERVER_START_TIMEOUT_S)
-            _systemone(server.url, startup_request)
+            systemone(server.url, startup_request)
             result["startup"] = {
                 "status": "ok",
                 "first_answer_s": time.perf_counter() - started,
@@ -417,7 +417,7 @@ def _run_rows(
         before = engine_totals(url)
         try:
             timed = measure(
-                lambda request: _systemone(url, request),
+                lambda request: int(systemone(url, request)["usage"]["input_tokens"]),
                 sent,
                 warmup=row_warmup,
                 budget=budget,
