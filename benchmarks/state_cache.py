@@ -23,8 +23,9 @@ Contract:
   ``--clients`` clients for ``--seconds``, each sending pages one after
   another: a ``PAGE_TOKENS`` state with ``PAGE_QUESTIONS`` questions as
   ``PAGE_REQUESTS`` requests at once (a page ends when all are answered);
-  pages/s.
-- Writes ``OUT/state-cache.json`` with the keys ``SUMMARY_KEYS`` and the
+  pages/s, of the pages finished within the window.
+- Writes each part to ``OUT/<part>.json`` as it ends, then
+  ``OUT/state-cache.json`` with the keys ``SUMMARY_KEYS`` and the
   details, and ``OUT/state-cache.md``.
 """
 
@@ -218,23 +219,29 @@ async def _page(client: httpx.AsyncClient, url: str, page: list[dict]) -> None:
 async def _pages_per_s(
     url: str, pages: list[list[dict]], clients: int, seconds: float
 ) -> float:
-    """Pages completed per second by ``clients`` clients in ``seconds``."""
-    done = 0
-    deadline = time.monotonic() + seconds
+    """Pages per second of ``clients`` clients over ``seconds``: the pages
+    finished by then, over the time to the last of them. Pages still being
+    asked at the end are given up, so the window ends on time."""
+    finished: list[float] = []
     queue = iter(pages)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        nonlocal done
         for page in queue:
-            if time.monotonic() >= deadline:
-                return
             await _page(client, url, page)
-            done += time.monotonic() < deadline
+            finished.append(time.monotonic())
 
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=None) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
-    return done / min(seconds, time.monotonic() - started)
+        loops = [asyncio.ensure_future(client_loop(client)) for _ in range(clients)]
+        ended, running = await asyncio.wait(loops, timeout=seconds)
+        for loop in running:
+            loop.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        for loop in ended:
+            loop.result()  # a client that failed fails the run
+    if not finished:
+        raise RuntimeError(f"no page finished in {seconds} s")
+    return len(finished) / (finished[-1] - started)
 
 
 def make_pages(rng: random.Random, count: int, per_token: float) -> list[list[dict]]:
@@ -311,6 +318,13 @@ def summary(answers: dict, control: dict, speed: dict) -> dict[str, Any]:
     }
 
 
+def saved(out: Path, part: str, results: dict) -> dict:
+    """``results`` of one part, also written to ``OUT/part.json`` at once, so
+    that a run stopped later keeps them."""
+    (out / f"{part}.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
 def report(results: dict[str, Any]) -> str:
     lines = ["# The state cache on one GPU", "", "| key | value |", "|---|---|"]
     lines += [f"| {k} | {results['summary'][k]} |" for k in SUMMARY_KEYS]
@@ -345,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
     per_token = words_per_token(AutoTokenizer.from_pretrained(checkpoint))
-    answers = answers_part(args, checkpoint, per_token)
-    control = control_part(checkpoint, work)
-    speed = speed_part(args, work)
+    answers = saved(args.out, "answers", answers_part(args, checkpoint, per_token))
+    control = saved(args.out, "control", control_part(checkpoint, work))
+    speed = saved(args.out, "speed", speed_part(args, work))
     results = {
         "summary": summary(answers, control, speed),
         "answers": answers,
