@@ -19,11 +19,13 @@ Contract:
   token, read with the key left out, against it read uncached (max |dp|).
 - Speed: the d3-turbo-shaped package (random weights) at ``--max-model-len``
   131072, uncached then cached: after an untimed request of the same size, a
-  ``REPEAT_TOKENS`` state with 2 questions sent twice (each timed), then
-  ``--clients`` clients for ``--seconds``, each sending pages one after
-  another: a ``PAGE_TOKENS`` state with ``PAGE_QUESTIONS`` questions as
-  ``PAGE_REQUESTS`` requests at once (a page ends when all are answered);
-  pages/s, of the pages finished within the window.
+  ``REPEAT_TOKENS`` state with 2 questions sent twice (each timed); the
+  p50 of ``SHORT_REPEATS`` ``SHORT_ROW`` requests, each a state never read
+  (what the cache costs a miss); then ``--clients`` clients for
+  ``--seconds``, each sending pages one after another: a ``PAGE_TOKENS``
+  state with ``PAGE_QUESTIONS`` questions as ``PAGE_REQUESTS`` requests at
+  once (a page ends when all are answered); pages/s, of the pages finished
+  within the window. The pages both sides finished: their answers compared.
 - Writes each part to ``OUT/<part>.json`` as it ends, then
   ``OUT/state-cache.json`` with the keys ``SUMMARY_KEYS`` and the
   details, and ``OUT/state-cache.md``.
@@ -36,6 +38,7 @@ import asyncio
 import json
 import random
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,7 @@ from vllm_d3.testing.own_process import logits_from_script
 from vllm_d3.testing.requests import questions, text_state, words_per_token
 from vllm_d3.testing.server import Server
 
+from .rows import ROWS_BY_ID, row_requests
 from .startup import package
 from .timing import log
 from .validation import (
@@ -68,6 +72,8 @@ EVICT_STATE_TOKENS = 30_000
 PROBE_KV_CACHE_BYTES = 2**30
 REPEAT_TOKENS = 64_000
 PAGE_TOKENS, PAGE_QUESTIONS, PAGE_REQUESTS = 47_000, 26, 4
+#: The short request timed on either side (each a new state), and how often.
+SHORT_ROW, SHORT_REPEATS = "text-16", 10
 SUMMARY_KEYS = (
     "repeat_64k_first_s",
     "repeat_64k_second_s",
@@ -77,6 +83,12 @@ SUMMARY_KEYS = (
     "validation_max_dp",
     "decisions_changed",
     "control_max_dp",
+)
+SPEED_COLUMNS = (
+    "repeat_first_s",
+    "repeat_second_s",
+    f"{SHORT_ROW}_p50_s",
+    "pages_per_s",
 )
 KV_CACHE_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -210,24 +222,27 @@ def _reads_script() -> str:
     return state_cache_reads.__file__
 
 
-async def _page(client: httpx.AsyncClient, url: str, page: list[dict]) -> None:
+async def _page(client: httpx.AsyncClient, url: str, page: list[dict]) -> list[dict]:
     replies = await asyncio.gather(*(client.post(url + ROUTE, json=r) for r in page))
     for reply in replies:
         reply.raise_for_status()
+    return [reply.json() for reply in replies]
 
 
 async def _pages_per_s(
     url: str, pages: list[list[dict]], clients: int, seconds: float
-) -> float:
+) -> tuple[float, dict[int, list[dict]]]:
     """Pages per second of ``clients`` clients over ``seconds``: the pages
-    finished by then, over the time to the last of them. Pages still being
-    asked at the end are given up, so the window ends on time."""
+    finished by then, over the time to the last of them; and their replies,
+    by page. Pages still being asked at the end are given up, so the window
+    ends on time."""
     finished: list[float] = []
-    queue = iter(pages)
+    replies: dict[int, list[dict]] = {}
+    queue = enumerate(pages)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        for page in queue:
-            await _page(client, url, page)
+        for index, page in queue:
+            replies[index] = await _page(client, url, page)
             finished.append(time.monotonic())
 
     started = time.monotonic()
@@ -241,7 +256,7 @@ async def _pages_per_s(
             loop.result()  # a client that failed fails the run
     if not finished:
         raise RuntimeError(f"no page finished in {seconds} s")
-    return len(finished) / (finished[-1] - started)
+    return len(finished) / (finished[-1] - started), replies
 
 
 def make_pages(rng: random.Random, count: int, per_token: float) -> list[list[dict]]:
@@ -262,7 +277,8 @@ def timed(url: str, request: dict) -> float:
 
 
 def speed_part(args: argparse.Namespace, work: Path) -> dict:
-    """The repeated 64K state and the pages, uncached then cached."""
+    """The repeated 64K state, short requests and the pages, uncached then
+    cached; the answers of the pages both sides finished, against each other."""
     checkpoint = str(package(work, "prefix_bidir"))
     from transformers import AutoTokenizer
 
@@ -276,9 +292,14 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
         }
         for _ in range(2)
     )
+    # Each a state of its own: what a miss costs a short request.
+    shorts = row_requests(
+        ROWS_BY_ID[SHORT_ROW], 1 + SHORT_REPEATS, seed=0, words_per_token=per_token
+    )
     # Pages enough for either side; each state is read by one page only.
     pages = make_pages(rng, args.pages, per_token)
     results: dict[str, Any] = {}
+    replies = {}
     for side, flags in (("uncached", []), ("cached", ["--enable-prefix-caching"])):
         all_flags = [
             "--max-model-len",
@@ -291,15 +312,23 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
             server.wait(900)
             timed(server.url, warm_up)
             first, second = timed(server.url, repeat), timed(server.url, repeat)
-            rate = asyncio.run(
+            short = statistics.median(timed(server.url, r) for r in shorts[1:])
+            rate, replies[side] = asyncio.run(
                 _pages_per_s(server.url, pages, args.clients, args.seconds)
             )
         results[side] = {
             "repeat_first_s": first,
             "repeat_second_s": second,
+            f"{SHORT_ROW}_p50_s": short,
             "pages_per_s": rate,
         }
         log(f"speed, {side}: {first:.2f} s, then {second:.2f} s; {rate:.2f} pages/s")
+    both = sorted(replies["uncached"].keys() & replies["cached"].keys())
+    results["pages_both_finished"] = len(both)
+    if both:
+        results["pages_against_uncached"] = compare(
+            *(flatten([r for i in both for r in replies[side][i]]) for side in replies)
+        )
     return results
 
 
@@ -328,6 +357,12 @@ def saved(out: Path, part: str, results: dict) -> dict:
 def report(results: dict[str, Any]) -> str:
     lines = ["# The state cache on one GPU", "", "| key | value |", "|---|---|"]
     lines += [f"| {k} | {results['summary'][k]} |" for k in SUMMARY_KEYS]
+    speed = results["speed"]
+    lines += ["", f"| side | {' | '.join(SPEED_COLUMNS)} |", "|---|---|---|---|---|"]
+    lines += [
+        f"| {side} | {' | '.join(f'{speed[side][c]:.3f}' for c in SPEED_COLUMNS)} |"
+        for side in ("uncached", "cached")
+    ]
     for name, done in results["answers"]["passes"].items():
         lines += ["", f"## {name} ({done['cached_tokens']} tokens from the cache)", ""]
         lines += [

@@ -941,7 +941,12 @@ def test_the_state_cache_summary_takes_every_pass_and_set():
         }
     }
     speed = {
-        side: {"repeat_first_s": first, "repeat_second_s": 0.3, "pages_per_s": rate}
+        side: {
+            "repeat_first_s": first,
+            "repeat_second_s": 0.3,
+            "text-16_p50_s": 0.16,
+            "pages_per_s": rate,
+        }
         for side, first, rate in (("uncached", 7.6, 0.2), ("cached", 7.7, 0.7))
     }
     summary = state_cache.summary(answers, {"control_max_dp": 0.3}, speed)
@@ -955,6 +960,7 @@ def test_the_state_cache_summary_takes_every_pass_and_set():
         "decisions_changed": 2,
         "control_max_dp": 0.3,
     }
-    text = state_cache.report({"summary": summary, "answers": answers})
+    text = state_cache.report({"summary": summary, "answers": answers, "speed": speed})
     assert "| validation_max_dp | 0.004 |" in text
+    assert "| cached | 7.700 | 0.300 | 0.160 | 0.700 |" in text
     assert "## cached (96 tokens from the cache)" in text
