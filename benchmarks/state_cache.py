@@ -26,9 +26,9 @@ Contract:
   state with ``PAGE_QUESTIONS`` questions as ``PAGE_REQUESTS`` requests at
   once (a page ends when all are answered); pages/s, of the pages finished
   within the window. The pages both sides finished: their answers compared.
-- Writes each part to ``OUT/<part>.json`` as it ends, then
-  ``OUT/state-cache.json`` with the keys ``SUMMARY_KEYS`` and the
-  details, and ``OUT/state-cache.md``.
+- Writes each part (and each speed side) to ``OUT/<part>.json`` as it
+  ends, then ``OUT/state-cache.json`` with the keys ``SUMMARY_KEYS`` and
+  the details, and ``OUT/state-cache.md``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from .validation import (
     scaled_sets,
     server_flags,
 )
-from .vllm_side import systemone
+from .vllm_side import serve_flags, systemone
 
 ROUTE = "/v1/systemone"
 PASSES = ("cold", "cached", "after eviction")
@@ -301,27 +301,31 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
     results: dict[str, Any] = {}
     replies = {}
     for side, flags in (("uncached", []), ("cached", ["--enable-prefix-caching"])):
-        all_flags = [
-            "--max-model-len",
-            str(LONG_MAX_MODEL_LEN),
-            *flags,
-            *args.serve_arg,
-        ]
+        # The package has no weights (vllm_side's rule).
+        all_flags = serve_flags(
+            checkpoint,
+            ["--max-model-len", str(LONG_MAX_MODEL_LEN), *flags, *args.serve_arg],
+        )
         log_file = args.out / f"serve-speed-{side}.log"
         with Server(checkpoint, *all_flags, log_file=log_file) as server:
             server.wait(900)
             timed(server.url, warm_up)
             first, second = timed(server.url, repeat), timed(server.url, repeat)
+            timed(server.url, shorts[0])  # the short shape's first call, untimed
             short = statistics.median(timed(server.url, r) for r in shorts[1:])
             rate, replies[side] = asyncio.run(
                 _pages_per_s(server.url, pages, args.clients, args.seconds)
             )
-        results[side] = {
-            "repeat_first_s": first,
-            "repeat_second_s": second,
-            f"{SHORT_ROW}_p50_s": short,
-            "pages_per_s": rate,
-        }
+        results[side] = saved(
+            args.out,
+            f"speed-{side}",
+            {
+                "repeat_first_s": first,
+                "repeat_second_s": second,
+                f"{SHORT_ROW}_p50_s": short,
+                "pages_per_s": rate,
+            },
+        )
         log(f"speed, {side}: {first:.2f} s, then {second:.2f} s; {rate:.2f} pages/s")
     both = sorted(replies["uncached"].keys() & replies["cached"].keys())
     results["pages_both_finished"] = len(both)
