@@ -527,8 +527,8 @@ def test_question_ends_default_to_one_question():
 
 
 class EncodeSpy:
-    """The strategy's tokenizer, recording the texts it encodes (``encode``,
-    or called with offsets); with
+    """The strategy's tokenizer, recording each call (``calls``) and the texts
+    it encodes (``encode``, or called on a text or a batch); with
     ``merge_at_colon``, a tokenizer that tokenizes a text opening with ``:``
     differently (as one that merges across the shared head's end would)."""
 
@@ -536,15 +536,27 @@ class EncodeSpy:
         self.tokenizer = tokenizer
         self.merge_at_colon = merge_at_colon
         self.texts: list[str] = []
+        self.calls = 0
 
-    def encode(self, text, **kwargs):
-        self.texts.append(text)
-        ids = self.tokenizer.encode(text, **kwargs)
+    def merged(self, text: str, ids: list[int]) -> list[int]:
         return [ids[0], *ids] if self.merge_at_colon and text[:1] == ":" else ids
 
-    def __call__(self, text, **kwargs):
+    def encode(self, text, **kwargs):
+        self.calls += 1
         self.texts.append(text)
-        return self.tokenizer(text, **kwargs)
+        return self.merged(text, self.tokenizer.encode(text, **kwargs))
+
+    def __call__(self, text, **kwargs):
+        self.calls += 1
+        if isinstance(text, str):
+            self.texts.append(text)
+            return self.tokenizer(text, **kwargs)
+        self.texts += text
+        encoded = self.tokenizer(text, **kwargs)
+        ids = [
+            self.merged(t, i) for t, i in zip(text, encoded["input_ids"], strict=True)
+        ]
+        return {**encoded, "input_ids": ids}
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
@@ -598,6 +610,20 @@ def test_questions_are_tokenized_as_whole_prompts(make_checkpoint, state):
         with_state = sum(f"State:\n{rendered}\n\n" in text for text in spy.texts)
         assert with_state == (2 if request == "a" else 0)
     assert strategy.splits_heads is True
+
+
+def test_a_requests_question_tails_are_tokenized_in_one_call(make_checkpoint):
+    # Their tokens are each whole prompt's (the test above reads through here).
+    strategy, _ = make_strategy(make_checkpoint(weights=False), state_once=True)
+    spy = strategy.tokenizer = EncodeSpy(strategy.tokenizer)
+    read(strategy, "a first state")  # the strategy's one check of its split
+    calls = {}
+    for count in (3, 12):
+        asked = [(f"q{n}", "noul", f"Is it the {n}th?", None) for n in range(count)]
+        spy.calls = 0
+        asyncio.run(read_coroutine(strategy, f"state {count}", questions=asked))
+        calls[count] = spy.calls
+    assert calls[12] == calls[3]
 
 
 def test_a_state_size_takes_no_other_requests_head(make_checkpoint):

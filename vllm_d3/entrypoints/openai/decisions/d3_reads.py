@@ -19,10 +19,11 @@ the questions' requests find it cached (``docs/state-cache.md``).
 """
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
 from vllm.entrypoints.openai.decisions.question_types import (
     Question,
     StructuredDecisionError,
@@ -58,6 +59,16 @@ logger = init_logger(f"vllm.{__name__}")
 #: ``:``. Between a letter and ``:`` byte-level BPE's split pattern always
 #: starts a new pre-token, and merges stay inside pre-tokens.
 SHARED_HEAD_END = "\n\nQuestion"
+
+
+def _head_and_tail(text: str) -> tuple[str, str] | None:
+    """``text`` split after its first ``SHARED_HEAD_END`` that a ``:`` follows;
+    ``None`` where there is none."""
+    cut = text.find(SHARED_HEAD_END + ":")
+    if cut < 0:
+        return None
+    cut += len(SHARED_HEAD_END)
+    return text[:cut], text[cut:]
 
 
 def state_block_size(offsets: Sequence[tuple[int, int]], state_end: int) -> int:
@@ -191,20 +202,24 @@ class D3StateBlockReads:
         return self.temperature_schedule.temperature_for(num_questions)
 
     def question_tokens(
-        self, text: str, encode: Callable[[str], list[int]]
+        self,
+        text: str,
+        encode: Callable[[str], list[int]],
+        tails: Mapping[str, list[int]] | None = None,
     ) -> list[int]:
         """``encode(text)`` for a question prompt's text, its shared head (up to
         ``SHARED_HEAD_END``) encoded once for consecutive prompts that share
-        it. The first split is checked against encoding the whole text; if
-        they differ, whole texts from then on, and the log says so."""
-        cut = text.find(SHARED_HEAD_END + ":")
-        if self.splits_heads is False or cut < 0:
+        it, its tail taken from ``tails`` (``tail_tokens``) where it is there.
+        The first split is checked against encoding the whole text; if they
+        differ, whole texts from then on, and the log says so."""
+        split = None if self.splits_heads is False else _head_and_tail(text)
+        if split is None:
             return encode(text)
-        cut += len(SHARED_HEAD_END)
-        head, tail = text[:cut], text[cut:]
+        head, tail = split
         if self.last_head[0] != head:
             self.last_head = (head, *self._encoded(head))
-        ids = self.last_head[1] + encode(tail)
+        tail_ids = (tails or {}).get(tail)
+        ids = self.last_head[1] + (encode(tail) if tail_ids is None else tail_ids)
         if self.splits_heads is None:
             whole = encode(text)
             self.splits_heads = ids == whole
@@ -216,6 +231,18 @@ class D3StateBlockReads:
                 )
                 return whole
         return ids
+
+    def tail_tokens(self, prompts: Sequence[str]) -> dict[str, list[int]]:
+        """The tokens of ``prompts``' tails (what ``question_tokens`` encodes
+        after their head), encoded in one call: a fast tokenizer encodes a
+        batch in parallel."""
+        if self.splits_heads is False:
+            return {}
+        tails = list({split[1] for p in prompts if (split := _head_and_tail(p))})
+        if not tails:
+            return {}
+        encoded = self.tokenizer(tails, add_special_tokens=False)["input_ids"]
+        return dict(zip(tails, encoded, strict=True))
 
     def state_tokens(
         self, question: Question, state: str, media: Any, prompt_ids: list[int]
@@ -269,8 +296,9 @@ class D3StateBlockReads:
         media: Any,
         request_id: str,
         **encode_kwargs: Any,
-    ) -> tuple[list[list[float]], list[QuestionTokens]]:
-        """Each question's code logits and usage."""
+    ) -> tuple[list[torch.Tensor], list[QuestionTokens]]:
+        """Each question's code logits (a row of its engine request's output)
+        and usage."""
         reads, state_read = self._plan(
             engine_inputs, params, questions, state, media, request_id
         )
@@ -282,9 +310,9 @@ class D3StateBlockReads:
         outputs = await asyncio.gather(
             *(self._send(read, encode_kwargs) for read in reads)
         )
-        logits: list[list[float]] = [[] for _ in questions]
+        logits: list[torch.Tensor] = [torch.empty(0)] * len(questions)
         for read, output in zip(reads, outputs, strict=True):
-            rows = output.outputs.data.view(len(read.questions), -1).tolist()
+            rows = output.outputs.data.view(len(read.questions), -1)
             for n, row, tokens in zip(
                 read.questions, rows, read.usage(output), strict=True
             ):

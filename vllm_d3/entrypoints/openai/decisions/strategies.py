@@ -22,7 +22,6 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import torch
 from vllm.entrypoints.openai.decisions import strategies as upstream
 from vllm.entrypoints.openai.decisions.question_types import Question
 from vllm.entrypoints.openai.decisions.strategies import QuestionRead, ReadContext
@@ -75,6 +74,10 @@ class _RequestReads:
         ]
         #: Each question's usage.
         self.usage = [QuestionTokens(0, 0) for _ in questions]
+        #: The prompts 0.33.0's read rendered, all before it tokenizes the
+        #: first; then their tails' tokens, encoded together at that first.
+        self.prompts: list[str] = []
+        self.tails: dict[str, list[int]] | None = None
         self.task: asyncio.Task | None = None
 
     async def encode(
@@ -123,7 +126,7 @@ class _RequestReads:
             self.results[n].set_result(
                 PoolingRequestOutput(
                     question_request_id(self.request_id, n),
-                    PoolingOutput(data=torch.tensor(row) * scale),
+                    PoolingOutput(data=row * scale),
                     engine_input["prompt_token_ids"],
                     self.usage[n].cached,
                     finished=True,
@@ -173,10 +176,21 @@ class D3Strategy(upstream.D3Strategy, D3StateBlockReads):
             reading: Any = _ReadingEngineClient(self.engine_client)
             self.context = replace(context, engine_client=reading)
 
+    def _prompt(self, state: str, q: Question, media: Sequence[str]) -> str:
+        prompt = super()._prompt(state, q, media)
+        reads = CURRENT_READ.get()
+        if reads is not None:
+            reads.prompts.append(prompt)
+        return prompt
+
     def _tokens(self, text: str) -> list[int]:
-        # A request's questions share their head, tokenized once (d3_reads.py);
-        # the tokens are 0.33.0's.
-        return self.question_tokens(text, super()._tokens)
+        # A request's questions share their head, tokenized once, and their
+        # tails are tokenized together (d3_reads.py); the tokens are 0.33.0's.
+        reads = CURRENT_READ.get()
+        if reads is not None and reads.tails is None:
+            reads.tails = self.tail_tokens(reads.prompts)
+        tails = None if reads is None else reads.tails
+        return self.question_tokens(text, super()._tokens, tails)
 
     def logit_scale(self, num_questions: int) -> float:
         """What turns 0.33.0's ``logit / temperature`` into ``logit / t(Q)``."""
