@@ -278,11 +278,10 @@ class D3StateBlockReads:
         """A question prompt's text as ``_encoded`` gives it, its head's part
         from the last head encoded where that is this text's (a long state is
         then not encoded again)."""
-        head = self.last_head[0]
-        # Split only where ``question_tokens`` splits: before the ``:``.
-        split = head and text.startswith(head) and text.startswith(":", len(head))
-        if not self.splits_heads or not split:
+        split = _head_and_tail(text)  # where ``question_tokens`` splits
+        if not self.splits_heads or split is None or split[0] != self.last_head[0]:
             return self._encoded(text)
+        head = split[0]
         tail_ids, tail_offsets = self._encoded(text[len(head) :])
         shifted = [(start + len(head), end + len(head)) for start, end in tail_offsets]
         return self.last_head[1] + tail_ids, self.last_head[2] + shifted
