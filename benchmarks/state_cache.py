@@ -13,7 +13,7 @@ Contract:
   before) and ``after eviction`` (after other states of about
   ``EVICT_FACTOR`` times the KV cache's tokens went through). Each pass
   against the uncached answers (``compare``), with the tokens it took from the
-  cache (``usage``).
+  cache (vLLM's ``/metrics``).
 - Control: ``vllm_d3.testing.state_cache_reads`` on the same checkpoint, in a
   process of its own: a state that differs from one read before in its last
   token, read with the key left out, against it read uncached (max |dp|).
@@ -26,9 +26,10 @@ Contract:
   state with ``PAGE_QUESTIONS`` questions as ``PAGE_REQUESTS`` requests at
   once (a page ends when all are answered); pages/s, of the pages finished
   within the window. The pages both sides finished: their answers compared.
-- Writes each part (and each speed side) to ``OUT/<part>.json`` as it
-  ends, then ``OUT/state-cache.json`` with the keys ``SUMMARY_KEYS`` and
-  the details, and ``OUT/state-cache.md``.
+- ``--parts`` runs some of ``PARTS`` only. Writes each part (and each speed
+  side) to ``OUT/<part>.json`` as it ends, then, all parts run,
+  ``OUT/state-cache.json`` with the keys ``SUMMARY_KEYS`` and the details,
+  and ``OUT/state-cache.md``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import random
 import re
 import statistics
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,7 @@ from vllm_d3.testing.requests import questions, text_state, words_per_token
 from vllm_d3.testing.server import Server
 
 from .rows import ROWS_BY_ID, row_requests
+from .soak import metric_sums
 from .startup import package
 from .timing import log
 from .validation import (
@@ -64,6 +67,7 @@ from .vllm_side import serve_flags, systemone
 
 ROUTE = "/v1/systemone"
 PASSES = ("cold", "cached", "after eviction")
+PARTS = ("answers", "control", "speed")
 #: The states that evict the sets' ones: this many times the KV cache's tokens.
 EVICT_FACTOR = 1.5
 #: The longest eviction state, within the validation checkpoint's length.
@@ -90,6 +94,8 @@ SPEED_COLUMNS = (
     f"{SHORT_ROW}_p50_s",
     "pages_per_s",
 )
+#: vLLM's counter of the prompt tokens taken from the cache.
+CACHED_TOKENS_METRIC = "vllm:prompt_tokens_cached_total"
 KV_CACHE_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
@@ -114,14 +120,19 @@ def split_questions(asked: dict[str, Any], parts: int) -> list[dict[str, Any]]:
 
 
 def send_sets(url: str, sets: dict[str, list[dict]]) -> tuple[dict, int]:
-    """Every set's answers, and the tokens their requests took from the cache."""
+    """Every set's answers, and the tokens their requests took from the cache
+    (``/v1/systemone``'s usage has no such field: vLLM's ``/metrics`` counts
+    them)."""
+    before = cached_tokens(url)
     answers = {name: [systemone(url, r) for r in rs] for name, rs in sets.items()}
-    cached = sum(
-        body["usage"]["input_tokens_details"]["cached_tokens"]
-        for bodies in answers.values()
-        for body in bodies
-    )
-    return answers, cached
+    return answers, cached_tokens(url) - before
+
+
+def cached_tokens(url: str) -> int:
+    """The prompt tokens the server took from its cache so far."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return int(metric_sums(text, (CACHED_TOKENS_METRIC,)).get(CACHED_TOKENS_METRIC, 0))
 
 
 def evict(url: str, rng: random.Random, tokens: int, per_token: float) -> int:
@@ -390,22 +401,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", type=int, default=400)
     parser.add_argument("--kv-cache-tokens", type=int, default=2 * LONG_MAX_MODEL_LEN)
     parser.add_argument("--serve-arg", action="append", default=[])
+    parser.add_argument("--parts", help=f"some of {','.join(PARTS)} (default: all)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / "work"
     work.mkdir(exist_ok=True)
     from transformers import AutoTokenizer
 
-    checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
-    per_token = words_per_token(AutoTokenizer.from_pretrained(checkpoint))
-    answers = saved(args.out, "answers", answers_part(args, checkpoint, per_token))
-    control = saved(args.out, "control", control_part(checkpoint, work))
-    speed = saved(args.out, "speed", speed_part(args, work))
+    parts = PARTS if args.parts is None else tuple(args.parts.split(","))
+    done: dict[str, Any] = {}
+    if "answers" in parts or "control" in parts:
+        checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
+    if "answers" in parts:
+        per_token = words_per_token(AutoTokenizer.from_pretrained(checkpoint))
+        answers = answers_part(args, checkpoint, per_token)
+        done["answers"] = saved(args.out, "answers", answers)
+    if "control" in parts:
+        done["control"] = saved(args.out, "control", control_part(checkpoint, work))
+    if "speed" in parts:
+        done["speed"] = saved(args.out, "speed", speed_part(args, work))
+    if len(done) < len(PARTS):
+        return 0  # the summary needs every part
     results = {
-        "summary": summary(answers, control, speed),
-        "answers": answers,
-        "control": control,
-        "speed": speed,
+        "summary": summary(done["answers"], done["control"], done["speed"]),
+        **done,
         "settings": {k: str(v) for k, v in vars(args).items()},
     }
     (args.out / "state-cache.json").write_text(json.dumps(results, indent=1))

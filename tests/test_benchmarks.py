@@ -902,6 +902,47 @@ def test_the_state_cache_benchmark_reads_the_kv_cache_size():
         state_cache.kv_cache_tokens("INFO Model loading took 1.0 GiB")
 
 
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """``/metrics`` as vLLM serves it: prometheus_client's default registry."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        import prometheus_client
+
+        data = prometheus_client.generate_latest()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_the_state_cache_benchmark_reads_vllms_cached_token_counter(
+    make_checkpoint,
+):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    model = make_checkpoint(attention_mode="causal", weights=False)
+    # vLLM's own metrics of two engines, as a data-parallel server has them.
+    metrics = PrometheusStatLogger(
+        EngineArgs(model=model).create_engine_config(), [0, 1]
+    )
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _MetricsHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        before = state_cache.cached_tokens(url)
+        metrics.counter_prompt_tokens_cached[0].inc(40)
+        metrics.counter_prompt_tokens_cached[1].inc(2)
+        metrics.counter_prompt_tokens[0].inc(1000)  # computed, not cached
+        assert state_cache.cached_tokens(url) - before == 42
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_the_kv_cache_is_sized_from_the_probe_start():
     probe = state_cache.PROBE_KV_CACHE_BYTES
     assert state_cache.scaled_bytes(2_000, 1_000) == probe // 2

@@ -16,6 +16,7 @@ from benchmarks import validation
 from vllm_d3.reference import ReferenceRuntime
 from vllm_d3.testing import server as server_module
 from vllm_d3.testing.compare import compare, flatten
+from vllm_d3.testing.own_process import logits_from_script
 
 FAKE_FLA = """
 def chunk_gated_delta_rule(*args, **kwargs):
@@ -125,6 +126,21 @@ def test_a_server_that_exits_names_its_log_and_error(tmp_path) -> None:
     assert str(log_file) in message
     assert message.split("): ", 1)[1].split(":", 1)[0].endswith("Error")
     assert "Traceback" in log_file.read_text()
+
+
+def test_a_script_in_its_own_process_imports_libraries_not_its_neighbours(
+    tmp_path: Path,
+) -> None:
+    # A module beside the script named like a library it imports, as
+    # vllm_d3/testing/requests.py sits beside state_cache_reads.py.
+    (tmp_path / "json.py").write_text("raise ImportError('the neighbour ran')\n")
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "torch.save({'dumped': torch.tensor([len(json.dumps([1]))])}, sys.argv[2])\n"
+    )
+    out = tmp_path / "out.pt"
+    assert logits_from_script(str(script), "unused", out)["dumped"].item() == 3
 
 
 def test_a_packed_prompt_holds_each_question_prompt_after_one_state(

@@ -26,7 +26,9 @@ TOLERANCE = 2e-2
 
 def logits_from_script(script: str, checkpoint: str, out: Path) -> dict:
     done = subprocess.run(
-        [sys.executable, script, checkpoint, str(out)],
+        # -P: the script's folder is not put first on the path, where a module
+        # of it (this package's ``requests``) would shadow a library's.
+        [sys.executable, "-P", script, checkpoint, str(out)],
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         capture_output=True,
         text=True,
