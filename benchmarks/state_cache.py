@@ -7,19 +7,20 @@ keyed on a shared prefix only, and its speed (GPU).
 Contract:
 - Answers: the validation's prefix_bidir checkpoint and sets (``--quick``, as
   the validation's) over ``/v1/systemone``, from ``vllm serve`` without, then
-  with ``--enable-prefix-caching`` and a KV cache of about
-  ``--kv-cache-tokens`` (sized by a first start).
+  with ``--enable-prefix-caching`` and a KV cache of ``CACHED_KV_CACHE_BYTES``.
   With, every set goes three times: ``cold``, ``cached`` (its states read
   before) and ``after eviction`` (after other states of about
   ``EVICT_FACTOR`` times the KV cache's tokens went through). Each pass
   against the uncached answers (``compare``), with the tokens it took from the
   cache (vLLM's ``/metrics``).
 - Control: ``vllm_d3.testing.state_cache_reads`` on the same checkpoint, in a
-  process of its own: a state that differs from one read before in its last
-  token, read with the key left out, against it read uncached (max |dp|).
+  process of its own: a state that differs from one read before in every
+  token after their shared whole blocks, read with the key left out, against
+  it read uncached (max |dp|).
 - Speed: the d3-turbo-shaped package (random weights) at ``--max-model-len``
-  131072, uncached then cached: after an untimed request of the same size, a
-  ``REPEAT_TOKENS`` state with 2 questions sent twice (each timed); the
+  ``SPEED_MAX_MODEL_LEN``, uncached then cached: after an untimed request of
+  the same size, a ``REPEAT_TOKENS`` state with 2 questions sent twice (each
+  timed); the
   p50 of ``SHORT_REPEATS`` ``SHORT_ROW`` requests, each a state never read
   (what the cache costs a miss); then ``--clients`` clients for
   ``--seconds``, each sending pages one after another: a ``PAGE_TOKENS``
@@ -58,7 +59,6 @@ from .soak import metric_sums
 from .startup import package
 from .timing import log
 from .validation import (
-    LONG_MAX_MODEL_LEN,
     build_checkpoints,
     scaled_sets,
     server_flags,
@@ -72,9 +72,13 @@ PARTS = ("answers", "control", "speed")
 EVICT_FACTOR = 1.5
 #: The longest eviction state, within the validation checkpoint's length.
 EVICT_STATE_TOKENS = 30_000
-#: The KV cache of the start that measures how many tokens a byte holds.
-PROBE_KV_CACHE_BYTES = 2**30
+#: The cached server's KV cache: small, so that eviction takes few states,
+#: and for the tiny checkpoint still several times its longest request.
+CACHED_KV_CACHE_BYTES = 2**30
 REPEAT_TOKENS = 64_000
+#: The speed servers' length: the repeated state and its questions, with room
+#: (each start's profile step is sized by it).
+SPEED_MAX_MODEL_LEN = 81_920
 PAGE_TOKENS, PAGE_QUESTIONS, PAGE_REQUESTS = 47_000, 26, 4
 #: The short request timed on either side (each a new state), and how often.
 SHORT_ROW, SHORT_REPEATS = "text-16", 10
@@ -159,9 +163,12 @@ def answers_part(args: argparse.Namespace, checkpoint: str, per_token: float) ->
         server.wait()
         uncached, _ = send_sets(server.url, sets)
     log("answers: uncached")
-    cached_flags = ["--enable-prefix-caching", *plain]
-    kv_bytes = kv_cache_bytes(checkpoint, cached_flags, args.out, args.kv_cache_tokens)
-    flags = [*cached_flags, "--kv-cache-memory-bytes", str(kv_bytes)]
+    flags = [
+        "--enable-prefix-caching",
+        *plain,
+        "--kv-cache-memory-bytes",
+        str(CACHED_KV_CACHE_BYTES),
+    ]
     log_file = args.out / "serve-cached.log"
     passes: dict[str, Any] = {}
     with Server(checkpoint, *flags, log_file=log_file) as server:
@@ -184,22 +191,6 @@ def answers_part(args: argparse.Namespace, checkpoint: str, per_token: float) ->
             }
             log(f"answers: {name}, {cached} tokens from the cache")
     return {"kv_cache_tokens": capacity, "passes": passes}
-
-
-def kv_cache_bytes(checkpoint: str, flags: list[str], out: Path, tokens: int) -> int:
-    """The ``--kv-cache-memory-bytes`` that holds about ``tokens`` tokens: a
-    first start with ``PROBE_KV_CACHE_BYTES`` says how many it holds there
-    (small, so that eviction takes few states)."""
-    probe = [*flags, "--kv-cache-memory-bytes", str(PROBE_KV_CACHE_BYTES)]
-    log_file = out / "serve-kv-probe.log"
-    with Server(checkpoint, *probe, log_file=log_file) as server:
-        server.wait()
-    return scaled_bytes(kv_cache_tokens(log_file.read_text()), tokens)
-
-
-def scaled_bytes(probe_tokens: int, tokens: int) -> int:
-    """``PROBE_KV_CACHE_BYTES`` scaled from ``probe_tokens`` to ``tokens``."""
-    return -(-PROBE_KV_CACHE_BYTES * tokens // probe_tokens)
 
 
 def control_part(checkpoint: str, work: Path) -> dict:
@@ -315,7 +306,7 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
         # The package has no weights (vllm_side's rule).
         all_flags = serve_flags(
             checkpoint,
-            ["--max-model-len", str(LONG_MAX_MODEL_LEN), *flags, *args.serve_arg],
+            ["--max-model-len", str(SPEED_MAX_MODEL_LEN), *flags, *args.serve_arg],
         )
         log_file = args.out / f"serve-speed-{side}.log"
         with Server(checkpoint, *all_flags, log_file=log_file) as server:
@@ -399,7 +390,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--pages", type=int, default=400)
-    parser.add_argument("--kv-cache-tokens", type=int, default=2 * LONG_MAX_MODEL_LEN)
     parser.add_argument("--serve-arg", action="append", default=[])
     parser.add_argument("--parts", help=f"some of {','.join(PARTS)} (default: all)")
     args = parser.parse_args(argv)

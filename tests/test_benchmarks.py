@@ -943,14 +943,6 @@ def test_the_state_cache_benchmark_reads_vllms_cached_token_counter(
         httpd.server_close()
 
 
-def test_the_kv_cache_is_sized_from_the_probe_start():
-    probe = state_cache.PROBE_KV_CACHE_BYTES
-    assert state_cache.scaled_bytes(2_000, 1_000) == probe // 2
-    # Rounded up: never fewer tokens than asked for.
-    assert state_cache.scaled_bytes(3, 1) == probe // 3 + 1
-    assert state_cache.scaled_bytes(1_000, 1_000) == probe
-
-
 def test_a_page_asks_its_questions_once_over_its_requests():
     rng = random.Random(0)
     (page,) = state_cache.make_pages(rng, 1, per_token=0.01)

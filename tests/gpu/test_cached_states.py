@@ -5,8 +5,9 @@ of its own (``vllm_d3.testing.state_cache_reads``). A packed request computed
 with nothing cached, then again after its state was read alone, must give the
 same logits, the second having taken tokens from the cache; so must each
 question's own prompt, read after it. The control reads a state alone with the
-key left out, then a state that differs from it in its last token: its hit
-takes the first state's blocks, and its logits must move clearly.
+key left out, then a state that differs from it in every token after its
+whole blocks: its hit takes the first state's blocks, and its logits must move
+clearly.
 """
 
 import pytest

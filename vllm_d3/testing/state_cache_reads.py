@@ -7,8 +7,8 @@ prefix caching and returns each read's logits and the tokens it found cached
 (``"<read> cached"``): a packed request with nothing cached, then after its
 state was read alone, then each question's own prompt; the control reads the
 state alone with the key left out (``key_state_block`` not called), then a
-state that differs from it in its last token, whose hit takes the first
-state's blocks (``"other, unkeyed"``, against ``"other, uncached"``).
+state that differs from it in every token after its whole blocks, whose hit
+takes the first state's blocks (``"other, unkeyed"``, against ``"other, uncached"``).
 """
 
 import random
@@ -40,9 +40,13 @@ def cached_and_uncached(checkpoint: str) -> dict[str, torch.Tensor]:
         found[name] = flat_logits(outputs)
         found[f"{name} cached"] = torch.tensor([o.num_cached_tokens for o in outputs])
 
+    config = llm.llm_engine.vllm_config.cache_config
     rng = random.Random(0)
     state = [rng.randrange(*TOKEN_IDS) for _ in range(STATE)]
-    other = state[:-1] + [TOKEN_IDS[0] + (state[-1] + 1 - TOKEN_IDS[0]) % 900]
+    # The other state shares the first's whole blocks and differs in every
+    # token after them: what an unkeyed hit would reuse was read beside them.
+    shared = STATE // config.block_size * config.block_size
+    other = state[:shared] + [another_token(t) for t in state[shared:]]
     questions = [
         [rng.randrange(*TOKEN_IDS) for _ in range(QUESTION)] for _ in range(QUESTIONS)
     ]
@@ -53,7 +57,6 @@ def cached_and_uncached(checkpoint: str) -> dict[str, torch.Tensor]:
         ids = s + [t for q in questions for t in q]
         return [(ids, {**sized, "d3_question_ends": ends})]
 
-    config = llm.llm_engine.vllm_config.cache_config
     found["block sizes"] = torch.tensor([config.block_size, config.mamba_block_size])
     classify("uncached", packed(state))
     classify("state alone", [(state, sized)])
@@ -66,6 +69,12 @@ def cached_and_uncached(checkpoint: str) -> dict[str, torch.Tensor]:
     classify("state alone, unkeyed", [(state, sized)])
     classify("other, unkeyed", packed(other))
     return found
+
+
+def another_token(token: int) -> int:
+    """An ordinary token id other than ``token``."""
+    low, high = TOKEN_IDS
+    return low + (token + 1 - low) % (high - low)
 
 
 if __name__ == "__main__":
