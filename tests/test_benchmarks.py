@@ -923,6 +923,7 @@ def test_the_state_cache_benchmark_reads_vllms_cached_token_counter(
 ):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
     model = make_checkpoint(attention_mode="causal", weights=False)
     # vLLM's own metrics of two engines, as a data-parallel server has them.
@@ -941,6 +942,7 @@ def test_the_state_cache_benchmark_reads_vllms_cached_token_counter(
     finally:
         httpd.shutdown()
         httpd.server_close()
+        unregister_vllm_metrics()  # later tests' servers export none of them
 
 
 def test_a_page_asks_its_questions_once_over_its_requests():
