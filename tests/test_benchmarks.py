@@ -7,6 +7,7 @@ runs against a stub ``/v1/systemone`` server standing in for ``vllm serve``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
@@ -954,6 +955,53 @@ def test_a_page_asks_its_questions_once_over_its_requests():
     assert sizes == [7, 7, 6, 6]
     asked = [name for request in page for name in request["questions"]]
     assert asked == [f"q{i}" for i in range(state_cache.PAGE_QUESTIONS)]
+
+
+class _SlowAnswers(BaseHTTPRequestHandler):
+    """Answers each POST after ``delay_s``, echoing its state."""
+
+    delay_s = 0.2
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        time.sleep(self.delay_s)
+        data = json.dumps({"state": body["state"]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_pages_per_second_count_the_requests_answered_in_the_window():
+    pages = [
+        [{"state": f"page {p}, request {r}"} for r in range(state_cache.PAGE_REQUESTS)]
+        for p in range(100)
+    ]
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _SlowAnswers)
+    # The requests given up at the end break their connections: not an error.
+    httpd.handle_error = lambda *args: None  # type: ignore[method-assign]
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        started = time.monotonic()
+        rate, replies = asyncio.run(
+            state_cache._pages_per_s(url, pages, clients=2, seconds=1.5)
+        )
+        took = time.monotonic() - started
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    # Two clients, a page every 0.2 s each and the round trips: at most 10
+    # pages a second.
+    assert 4 < rate <= 10.5
+    assert took < 1.5 + 0.5  # the requests under way at the end are given up
+    assert replies and all(
+        reply["state"] == pages[page][part]["state"]
+        for (page, part), reply in replies.items()
+    )
 
 
 def test_the_state_cache_summary_takes_every_pass_and_set():
