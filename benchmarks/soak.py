@@ -63,7 +63,7 @@ from vllm_d3.testing.server import Server
 from .startup import package
 from .timing import log
 from .validation import LONG_MAX_MODEL_LEN, bad_inputs
-from .vllm_side import gpu_memory_used_mib, serve_flags
+from .vllm_side import gpu_memory_used_mib, metric_sums, serve_flags
 
 ROUTE = "/v1/systemone"
 #: ``connection_error``: the connection failed or closed with no reply.
@@ -281,17 +281,6 @@ def tree_rss_mib(pid: int) -> float | None:
         if match := re.search(r"VmRSS:\s+(\d+) kB", status):
             total += int(match.group(1))
     return total / 1024 if total else None
-
-
-def metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Each metric of ``names`` the text has, summed over its label sets
-    (Prometheus text format)."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return sums
 
 
 async def sample(

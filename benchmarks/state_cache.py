@@ -42,7 +42,6 @@ import random
 import re
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,6 @@ from vllm_d3.testing.requests import questions, text_state, words_per_token
 from vllm_d3.testing.server import Server
 
 from .rows import ROWS_BY_ID, row_requests
-from .soak import metric_sums
 from .startup import package
 from .timing import log
 from .validation import (
@@ -63,7 +61,7 @@ from .validation import (
     scaled_sets,
     server_flags,
 )
-from .vllm_side import serve_flags, systemone
+from .vllm_side import metric_sums, metrics_text, serve_flags, systemone
 
 ROUTE = "/v1/systemone"
 PASSES = ("cold", "cached", "after eviction")
@@ -134,9 +132,8 @@ def send_sets(url: str, sets: dict[str, list[dict]]) -> tuple[dict, int]:
 
 def cached_tokens(url: str) -> int:
     """The prompt tokens the server took from its cache so far."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    return int(metric_sums(text, (CACHED_TOKENS_METRIC,)).get(CACHED_TOKENS_METRIC, 0))
+    sums = metric_sums(metrics_text(url), (CACHED_TOKENS_METRIC,))
+    return int(sums.get(CACHED_TOKENS_METRIC, 0))
 
 
 def evict(url: str, rng: random.Random, tokens: int, per_token: float) -> int:
@@ -396,12 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-arg", action="append", default=[])
     parser.add_argument("--parts", help=f"some of {','.join(PARTS)} (default: all)")
     args = parser.parse_args(argv)
+    parts = PARTS if args.parts is None else tuple(args.parts.split(","))
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"--parts: no part {', '.join(sorted(unknown))}")
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / "work"
     work.mkdir(exist_ok=True)
     from transformers import AutoTokenizer
 
-    parts = PARTS if args.parts is None else tuple(args.parts.split(","))
     done: dict[str, Any] = {}
     if "answers" in parts or "control" in parts:
         checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]

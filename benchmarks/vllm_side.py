@@ -173,19 +173,35 @@ def systemone(url: str, request: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def metrics_text(url: str) -> str:
+    """The server's Prometheus ``/metrics``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        return response.read().decode()
+
+
+def metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Each metric of ``names`` the text has, summed over its label sets
+    (Prometheus text format)."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if (match := SAMPLE.match(line)) and (name := match.group(1)) in names:
+            sums[name] = sums.get(name, 0.0) + float(match.group(2))
+    return sums
+
+
 def engine_totals(url: str) -> dict[str, tuple[float, float]]:
     """Each ``ENGINE_HISTOGRAMS`` sum and count over its label sets, from the
     server's ``/metrics``; those it does not export are left out."""
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-            text = response.read().decode()
+        text = metrics_text(url)
     except OSError:  # urllib's URLError among them
         return {}
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if match := SAMPLE.match(line):
-            name, value = match.groups()
-            samples[name] = samples.get(name, 0.0) + float(value)
+    wanted = tuple(
+        f"{name}_{part}"
+        for name in ENGINE_HISTOGRAMS.values()
+        for part in ("sum", "count")
+    )
+    samples = metric_sums(text, wanted)
     return {
         key: (samples[f"{name}_sum"], samples[f"{name}_count"])
         for key, name in ENGINE_HISTOGRAMS.items()

@@ -12,6 +12,8 @@ import json
 import random
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -891,6 +893,17 @@ def test_startup_steps_names_steps_vllm_has():
 # ------------------------------------------------------------- the state cache
 
 
+def test_metrics_are_summed_over_label_sets():
+    text = (
+        "# HELP vllm:num_requests_running x\n"
+        'vllm:num_requests_running{engine="0"} 2.0\n'
+        'vllm:num_requests_running{engine="1"} 3.0\n'
+        "vllm:num_requests_waiting_x 9.0\n"
+    )
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    assert vllm_side.metric_sums(text, names) == {"vllm:num_requests_running": 5.0}
+
+
 def test_the_state_cache_benchmark_reads_the_kv_cache_size():
     # As vLLM 0.33.0 logs it (``kv_cache_utils``), and without it.
     line = (
@@ -901,6 +914,20 @@ def test_the_state_cache_benchmark_reads_the_kv_cache_size():
     assert state_cache.kv_cache_tokens(f"start\n{line}\nmore") == 915_328
     with pytest.raises(ValueError, match="no KV cache size"):
         state_cache.kv_cache_tokens("INFO Model loading took 1.0 GiB")
+
+
+@contextmanager
+def _served(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` on loopback, threaded; its URL."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    # Requests a client gave up on break their connections: not an error.
+    httpd.handle_error = lambda *args: None  # type: ignore[method-assign]
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):
@@ -931,18 +958,14 @@ def test_the_state_cache_benchmark_reads_vllms_cached_token_counter(
     metrics = PrometheusStatLogger(
         EngineArgs(model=model).create_engine_config(), [0, 1]
     )
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _MetricsHandler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
-        before = state_cache.cached_tokens(url)
-        metrics.counter_prompt_tokens_cached[0].inc(40)
-        metrics.counter_prompt_tokens_cached[1].inc(2)
-        metrics.counter_prompt_tokens[0].inc(1000)  # computed, not cached
-        assert state_cache.cached_tokens(url) - before == 42
+        with _served(_MetricsHandler) as url:
+            before = state_cache.cached_tokens(url)
+            metrics.counter_prompt_tokens_cached[0].inc(40)
+            metrics.counter_prompt_tokens_cached[1].inc(2)
+            metrics.counter_prompt_tokens[0].inc(1000)  # computed, not cached
+            assert state_cache.cached_tokens(url) - before == 42
     finally:
-        httpd.shutdown()
-        httpd.server_close()
         unregister_vllm_metrics()  # later tests' servers export none of them
 
 
@@ -980,20 +1003,12 @@ def test_pages_per_second_count_the_requests_answered_in_the_window():
         [{"state": f"page {p}, request {r}"} for r in range(state_cache.PAGE_REQUESTS)]
         for p in range(100)
     ]
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _SlowAnswers)
-    # The requests given up at the end break their connections: not an error.
-    httpd.handle_error = lambda *args: None  # type: ignore[method-assign]
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    try:
+    with _served(_SlowAnswers) as url:
         started = time.monotonic()
         rate, replies = asyncio.run(
             state_cache._pages_per_s(url, pages, clients=2, seconds=1.5)
         )
         took = time.monotonic() - started
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
     # Two clients, a page every 0.2 s each and the round trips: at most 10
     # pages a second.
     assert 4 < rate <= 10.5
@@ -1002,6 +1017,13 @@ def test_pages_per_second_count_the_requests_answered_in_the_window():
         reply["state"] == pages[page][part]["state"]
         for (page, part), reply in replies.items()
     )
+
+
+def test_the_state_cache_benchmark_names_an_unknown_part(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        state_cache.main(["--out", str(tmp_path / "out"), "--parts", "speed,speeds"])
+    assert "--parts: no part speeds" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_state_cache_summary_takes_every_pass_and_set():

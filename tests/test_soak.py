@@ -204,14 +204,3 @@ def test_aborted_ids_are_read_from_the_log():
         "INFO Aborted request(s) a-1,b-2.\nINFO other\nINFO Aborted request(s) c-3.\n"
     )
     assert soak.aborted_ids(text) == {"a-1", "b-2", "c-3"}
-
-
-def test_metrics_are_summed_over_label_sets():
-    text = (
-        "# HELP vllm:num_requests_running x\n"
-        'vllm:num_requests_running{engine="0"} 2.0\n'
-        'vllm:num_requests_running{engine="1"} 3.0\n'
-        "vllm:num_requests_waiting_x 9.0\n"
-    )
-    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-    assert soak.metric_sums(text, names) == {"vllm:num_requests_running": 5.0}
