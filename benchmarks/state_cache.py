@@ -28,7 +28,8 @@ Contract:
   window, ``PAGE_REQUESTS`` to a page, over the time to the last. The
   requests both sides answered: their answers compared.
 - ``--parts`` runs some of ``PARTS`` only. Writes each part (and each speed
-  side) to ``OUT/<part>.json`` as it ends, then, all parts run,
+  side) to ``OUT/<part>.json`` as it ends, then, once every part is in
+  ``OUT`` (this run's or an earlier run's with the same ``OUT``),
   ``OUT/state-cache.json`` with the keys ``SUMMARY_KEYS`` and the details,
   and ``OUT/state-cache.md``.
 """
@@ -327,6 +328,7 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
                 f"{SHORT_ROW}_p50_s": short,
                 "pages_per_s": rate,
             },
+            args,
         )
         log(f"speed, {side}: {first:.2f} s, then {second:.2f} s; {rate:.2f} pages/s")
     both = sorted(replies["uncached"].keys() & replies["cached"].keys())
@@ -353,11 +355,30 @@ def summary(answers: dict, control: dict, speed: dict) -> dict[str, Any]:
     }
 
 
-def saved(out: Path, part: str, results: dict) -> dict:
-    """``results`` of one part, also written to ``OUT/part.json`` at once, so
-    that a run stopped later keeps them."""
+def saved(out: Path, part: str, results: dict, args: argparse.Namespace) -> dict:
+    """``results`` of one part with the run's settings, also written to
+    ``OUT/part.json`` at once, so that a run stopped later keeps them."""
+    results = {**results, "settings": {k: str(v) for k, v in vars(args).items()}}
     (out / f"{part}.json").write_text(json.dumps(results, indent=1))
     return results
+
+
+def write_summary(out: Path, done: dict[str, Any]) -> bool:
+    """``OUT/state-cache.json`` and ``.md`` from this run's parts (``done``)
+    and the others' files in ``out``; False, writing nothing, while a part is
+    missing."""
+    for part in set(PARTS) - set(done):
+        if (earlier := out / f"{part}.json").exists():
+            done[part] = json.loads(earlier.read_text())
+    if len(done) < len(PARTS):
+        return False
+    results = {
+        "summary": summary(done["answers"], done["control"], done["speed"]),
+        **{part: done[part] for part in PARTS},
+    }
+    (out / "state-cache.json").write_text(json.dumps(results, indent=1))
+    (out / "state-cache.md").write_text(report(results))
+    return True
 
 
 def report(results: dict[str, Any]) -> str:
@@ -407,20 +428,14 @@ def main(argv: list[str] | None = None) -> int:
     if "answers" in parts:
         per_token = words_per_token(AutoTokenizer.from_pretrained(checkpoint))
         answers = answers_part(args, checkpoint, per_token)
-        done["answers"] = saved(args.out, "answers", answers)
+        done["answers"] = saved(args.out, "answers", answers, args)
     if "control" in parts:
-        done["control"] = saved(args.out, "control", control_part(checkpoint, work))
+        done["control"] = saved(
+            args.out, "control", control_part(checkpoint, work), args
+        )
     if "speed" in parts:
-        done["speed"] = saved(args.out, "speed", speed_part(args, work))
-    if len(done) < len(PARTS):
-        return 0  # the summary needs every part
-    results = {
-        "summary": summary(done["answers"], done["control"], done["speed"]),
-        **done,
-        "settings": {k: str(v) for k, v in vars(args).items()},
-    }
-    (args.out / "state-cache.json").write_text(json.dumps(results, indent=1))
-    (args.out / "state-cache.md").write_text(report(results))
+        done["speed"] = saved(args.out, "speed", speed_part(args, work), args)
+    write_summary(args.out, done)
     return 0
 
 

@@ -1026,34 +1026,42 @@ def test_the_state_cache_benchmark_names_an_unknown_part(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_state_cache_summary_takes_every_pass_and_set():
-    def table(max_dp: float, changed: int) -> dict:
-        return {
-            "questions": 4,
-            "decisions_changed": changed,
-            "changed_near_ties": changed,
-            "max_dp": max_dp,
-        }
+def _state_cache_table(max_dp: float, changed: int) -> dict:
+    return {
+        "questions": 4,
+        "decisions_changed": changed,
+        "changed_near_ties": changed,
+        "max_dp": max_dp,
+    }
 
-    answers = {
-        "passes": {
-            "cold": {"cached_tokens": 0, "sets": {"a": table(0.001, 0)}},
-            "cached": {"cached_tokens": 96, "sets": {"a": table(0.003, 1)}},
-            "after eviction": {
-                "cached_tokens": 0,
-                "sets": {"a": table(0.002, 0), "b": table(0.004, 1)},
+
+#: The state cache benchmark's parts as a run would write them.
+STATE_CACHE_ANSWERS = {
+    "passes": {
+        "cold": {"cached_tokens": 0, "sets": {"a": _state_cache_table(0.001, 0)}},
+        "cached": {"cached_tokens": 96, "sets": {"a": _state_cache_table(0.003, 1)}},
+        "after eviction": {
+            "cached_tokens": 0,
+            "sets": {
+                "a": _state_cache_table(0.002, 0),
+                "b": _state_cache_table(0.004, 1),
             },
-        }
+        },
     }
-    speed = {
-        side: {
-            "repeat_first_s": first,
-            "repeat_second_s": 0.3,
-            "text-16_p50_s": 0.16,
-            "pages_per_s": rate,
-        }
-        for side, first, rate in (("uncached", 7.6, 0.2), ("cached", 7.7, 0.7))
+}
+STATE_CACHE_SPEED = {
+    side: {
+        "repeat_first_s": first,
+        "repeat_second_s": 0.3,
+        "text-16_p50_s": 0.16,
+        "pages_per_s": rate,
     }
+    for side, first, rate in (("uncached", 7.6, 0.2), ("cached", 7.7, 0.7))
+}
+
+
+def test_the_state_cache_summary_takes_every_pass_and_set():
+    answers, speed = STATE_CACHE_ANSWERS, STATE_CACHE_SPEED
     summary = state_cache.summary(answers, {"control_max_dp": 0.3}, speed)
     assert summary == {
         "repeat_64k_first_s": 7.7,
@@ -1069,3 +1077,17 @@ def test_the_state_cache_summary_takes_every_pass_and_set():
     assert "| validation_max_dp | 0.004 |" in text
     assert "| cached | 7.700 | 0.300 | 0.160 | 0.700 |" in text
     assert "## cached (96 tokens from the cache)" in text
+
+
+def test_the_state_cache_summary_takes_the_parts_earlier_runs_wrote(tmp_path):
+    done = {"control": {"control_max_dp": 0.3}}
+    (tmp_path / "answers.json").write_text(json.dumps(STATE_CACHE_ANSWERS))
+    assert not state_cache.write_summary(tmp_path, dict(done))  # speed missing
+    assert not (tmp_path / "state-cache.json").exists()
+    (tmp_path / "speed.json").write_text(json.dumps(STATE_CACHE_SPEED))
+    assert state_cache.write_summary(tmp_path, dict(done))
+    written = json.loads((tmp_path / "state-cache.json").read_text())
+    assert written["summary"]["validation_max_dp"] == 0.004
+    assert written["summary"]["pages_per_s_cached"] == 0.7
+    assert written["control"] == {"control_max_dp": 0.3}
+    assert "| control_max_dp | 0.3 |" in (tmp_path / "state-cache.md").read_text()
