@@ -17,6 +17,7 @@ prompt is cut.
 import pytest
 import torch
 from vllm.config import KVTransferConfig, VllmConfig
+from vllm.engine import arg_utils
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.generate.base.protocol import validate_cache_salt
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
@@ -264,8 +265,12 @@ def log(monkeypatch) -> list[str]:
     return lines
 
 
-def test_prefix_caching_is_served_as_the_state_cache(make_checkpoint, hopper, log):
+def test_prefix_caching_is_served_as_the_state_cache(
+    make_checkpoint, hopper, log, monkeypatch
+):
     model = make_checkpoint(weights=False)
+    warnings: list[str] = []
+    monkeypatch.setattr(arg_utils.logger, "warning_once", warnings.append)
     config = state_cache_config(model)
     cache, scheduler = config.cache_config, config.scheduler_config
     # vLLM's prefix caching of a hybrid model: Gated DeltaNet states on block
@@ -276,6 +281,10 @@ def test_prefix_caching_is_served_as_the_state_cache(make_checkpoint, hopper, lo
     # ... while a step still holds a whole prompt, which is never cut.
     assert scheduler.max_num_batched_tokens >= config.model_config.max_model_len
     assert "states cached across requests" in log[-1]
+    # vLLM warns that the model does not support prefix caching; the log answers it.
+    (warning,) = [w for w in warnings if "prefix caching" in w]
+    assert "does not officially support prefix caching" in warning
+    assert "does not officially support prefix caching" in log[-1]
     # Control: by default nothing is cached, and the log says so.
     default = EngineArgs(model=model).create_engine_config()
     assert not default.cache_config.enable_prefix_caching

@@ -69,7 +69,10 @@ def select_state_cache(vllm_config: "VllmConfig") -> None:
         "D3 prefix_bidir: states cached across requests: a request whose whole "
         "state (its tokens, its media, its cache_salt) was read before computes "
         "only what follows the state's last cached block; prompts are still "
-        "read whole (steps of up to %d tokens)",
+        "read whole (steps of up to %d tokens). vLLM's warning that this model "
+        "does not officially support prefix caching is about pooling models that "
+        "read their prompt both ways; this one is served by the state cache's "
+        "keys, hit bounds and scheduler",
         vllm_config.scheduler_config.max_num_batched_tokens,
     )
 
