@@ -367,14 +367,16 @@ def write_summary(out: Path, done: dict[str, Any]) -> bool:
     """``OUT/state-cache.json`` and ``.md`` from this run's parts (``done``)
     and the others' files in ``out``; False, writing nothing, while a part is
     missing."""
-    for part in set(PARTS) - set(done):
-        if (earlier := out / f"{part}.json").exists():
-            done[part] = json.loads(earlier.read_text())
-    if len(done) < len(PARTS):
+    files = {part: out / f"{part}.json" for part in PARTS}
+    earlier = {
+        part: json.loads(f.read_text()) for part, f in files.items() if f.exists()
+    }
+    parts = earlier | done
+    if len(parts) < len(PARTS):
         return False
     results = {
-        "summary": summary(done["answers"], done["control"], done["speed"]),
-        **{part: done[part] for part in PARTS},
+        "summary": summary(parts["answers"], parts["control"], parts["speed"]),
+        **{part: parts[part] for part in PARTS},
     }
     (out / "state-cache.json").write_text(json.dumps(results, indent=1))
     (out / "state-cache.md").write_text(report(results))

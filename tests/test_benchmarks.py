@@ -1082,10 +1082,10 @@ def test_the_state_cache_summary_takes_every_pass_and_set():
 def test_the_state_cache_summary_takes_the_parts_earlier_runs_wrote(tmp_path):
     done = {"control": {"control_max_dp": 0.3}}
     (tmp_path / "answers.json").write_text(json.dumps(STATE_CACHE_ANSWERS))
-    assert not state_cache.write_summary(tmp_path, dict(done))  # speed missing
+    assert not state_cache.write_summary(tmp_path, done)  # speed missing
     assert not (tmp_path / "state-cache.json").exists()
     (tmp_path / "speed.json").write_text(json.dumps(STATE_CACHE_SPEED))
-    assert state_cache.write_summary(tmp_path, dict(done))
+    assert state_cache.write_summary(tmp_path, done)
     written = json.loads((tmp_path / "state-cache.json").read_text())
     assert written["summary"]["validation_max_dp"] == 0.004
     assert written["summary"]["pages_per_s_cached"] == 0.7
