@@ -328,7 +328,6 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
                 f"{SHORT_ROW}_p50_s": short,
                 "pages_per_s": rate,
             },
-            args,
         )
         log(f"speed, {side}: {first:.2f} s, then {second:.2f} s; {rate:.2f} pages/s")
     both = sorted(replies["uncached"].keys() & replies["cached"].keys())
@@ -355,10 +354,9 @@ def summary(answers: dict, control: dict, speed: dict) -> dict[str, Any]:
     }
 
 
-def saved(out: Path, part: str, results: dict, args: argparse.Namespace) -> dict:
-    """``results`` of one part with the run's settings, also written to
-    ``OUT/part.json`` at once, so that a run stopped later keeps them."""
-    results = {**results, "settings": {k: str(v) for k, v in vars(args).items()}}
+def saved(out: Path, part: str, results: dict) -> dict:
+    """``results`` of one part, also written to ``OUT/part.json`` at once, so
+    that a run stopped later keeps them."""
     (out / f"{part}.json").write_text(json.dumps(results, indent=1))
     return results
 
@@ -424,19 +422,21 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(exist_ok=True)
     from transformers import AutoTokenizer
 
+    # Each part keeps the settings of the run that made it.
+    settings = {"settings": {k: str(v) for k, v in vars(args).items()}}
     done: dict[str, Any] = {}
     if "answers" in parts or "control" in parts:
         checkpoint = build_checkpoints(work / "checkpoints")["prefix_bidir"]
     if "answers" in parts:
         per_token = words_per_token(AutoTokenizer.from_pretrained(checkpoint))
         answers = answers_part(args, checkpoint, per_token)
-        done["answers"] = saved(args.out, "answers", answers, args)
+        done["answers"] = saved(args.out, "answers", answers | settings)
     if "control" in parts:
-        done["control"] = saved(
-            args.out, "control", control_part(checkpoint, work), args
-        )
+        control = control_part(checkpoint, work)
+        done["control"] = saved(args.out, "control", control | settings)
     if "speed" in parts:
-        done["speed"] = saved(args.out, "speed", speed_part(args, work), args)
+        speed = speed_part(args, work)
+        done["speed"] = saved(args.out, "speed", speed | settings)
     write_summary(args.out, done)
     return 0
 
