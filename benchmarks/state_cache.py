@@ -97,7 +97,9 @@ SPEED_COLUMNS = (
     f"{SHORT_ROW}_p50_s",
     "pages_per_s",
 )
-#: vLLM's counter of the prompt tokens taken from the cache.
+#: vLLM's counters of its requests' prompt tokens, and of those taken from
+#: the cache.
+PROMPT_TOKENS_METRIC = "vllm:prompt_tokens_total"
 CACHED_TOKENS_METRIC = "vllm:prompt_tokens_cached_total"
 KV_CACHE_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -126,15 +128,20 @@ def send_sets(url: str, sets: dict[str, list[dict]]) -> tuple[dict, int]:
     """Every set's answers, and the tokens their requests took from the cache
     (``/v1/systemone``'s usage has no such field: vLLM's ``/metrics`` counts
     them)."""
-    before = cached_tokens(url)
+    before = prompt_tokens(url)["cached"]
     answers = {name: [systemone(url, r) for r in rs] for name, rs in sets.items()}
-    return answers, cached_tokens(url) - before
+    return answers, prompt_tokens(url)["cached"] - before
 
 
-def cached_tokens(url: str) -> int:
-    """The prompt tokens the server took from its cache so far."""
-    sums = metric_sums(metrics_text(url), (CACHED_TOKENS_METRIC,))
-    return int(sums.get(CACHED_TOKENS_METRIC, 0))
+def prompt_tokens(url: str) -> dict[str, int]:
+    """The prompt tokens of the requests the server prefilled so far
+    (``"prompt"``) and those it took from its cache (``"cached"``)."""
+    names = (PROMPT_TOKENS_METRIC, CACHED_TOKENS_METRIC)
+    sums = metric_sums(metrics_text(url), names)
+    return {
+        "prompt": int(sums.get(PROMPT_TOKENS_METRIC, 0)),
+        "cached": int(sums.get(CACHED_TOKENS_METRIC, 0)),
+    }
 
 
 def evict(url: str, rng: random.Random, tokens: int, per_token: float) -> int:
@@ -316,9 +323,13 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
             first, second = timed(server.url, repeat), timed(server.url, repeat)
             timed(server.url, shorts[0])  # the short shape's first call, untimed
             short = statistics.median(timed(server.url, r) for r in shorts[1:])
+            before = prompt_tokens(server.url)
             rate, replies[side] = asyncio.run(
                 _pages_per_s(server.url, pages, args.clients, args.seconds)
             )
+            # What the pages' requests prefilled in the window, and took cached.
+            after = prompt_tokens(server.url)
+            page_tokens = {k: after[k] - before[k] for k in after}
         results[side] = saved(
             args.out,
             f"speed-{side}",
@@ -327,6 +338,8 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
                 "repeat_second_s": second,
                 f"{SHORT_ROW}_p50_s": short,
                 "pages_per_s": rate,
+                "pages_prompt_tokens": page_tokens["prompt"],
+                "pages_cached_tokens": page_tokens["cached"],
             },
         )
         log(f"speed, {side}: {first:.2f} s, then {second:.2f} s; {rate:.2f} pages/s")

@@ -946,7 +946,7 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def test_the_state_cache_benchmark_reads_vllms_cached_token_counter(
+def test_the_state_cache_benchmark_reads_vllms_prompt_token_counters(
     make_checkpoint,
 ):
     from vllm.engine.arg_utils import EngineArgs
@@ -960,11 +960,14 @@ def test_the_state_cache_benchmark_reads_vllms_cached_token_counter(
     )
     try:
         with _served(_MetricsHandler) as url:
-            before = state_cache.cached_tokens(url)
+            before = state_cache.prompt_tokens(url)
             metrics.counter_prompt_tokens_cached[0].inc(40)
             metrics.counter_prompt_tokens_cached[1].inc(2)
-            metrics.counter_prompt_tokens[0].inc(1000)  # computed, not cached
-            assert state_cache.cached_tokens(url) - before == 42
+            metrics.counter_prompt_tokens[0].inc(1000)
+            metrics.counter_prompt_tokens[1].inc(100)
+            after = state_cache.prompt_tokens(url)
+            assert after["cached"] - before["cached"] == 42
+            assert after["prompt"] - before["prompt"] == 1100
     finally:
         unregister_vllm_metrics()  # later tests' servers export none of them
 

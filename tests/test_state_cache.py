@@ -14,6 +14,8 @@ with vLLM's own scheduler: blocks whose contents differ are then shared, or a
 prompt is cut.
 """
 
+import sys
+
 import pytest
 import torch
 from vllm.config import KVTransferConfig, VllmConfig
@@ -33,7 +35,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     MambaSpec,
 )
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
@@ -48,7 +50,9 @@ QUESTIONS = list(range(2000, 2012)) + list(range(3000, 3010))
 IMAGE = ("image-a", PlaceholderRange(offset=34, length=4))
 
 
-def hybrid_cache_config(checkpoint: bool = False) -> KVCacheConfig:
+def hybrid_cache_config(
+    checkpoint: bool = False, num_blocks: int = 64
+) -> KVCacheConfig:
     """A full-attention group and a Gated DeltaNet group in align mode. By
     default no prefill checkpoint, as with the GDN prefill the plugin serves
     with (Triton); FlashInfer's exports one."""
@@ -64,7 +68,7 @@ def hybrid_cache_config(checkpoint: bool = False) -> KVCacheConfig:
         prefill_checkpoint_alignment=BLOCK if checkpoint else None,
     )
     return KVCacheConfig(
-        num_blocks=64,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(["attention"], attention),
@@ -391,21 +395,26 @@ def test_the_plugin_serves_the_state_cache_with_its_scheduler(
 def make_scheduler(make_checkpoint, hopper):
     """The scheduler ``vllm serve --enable-prefix-caching`` builds for the tiny
     prefix_bidir checkpoint (the plugin's, or in-tree vLLM's with the edit),
-    over the hybrid cache with a 64-token budget."""
+    over the hybrid cache, with a 64-token budget unless asked otherwise."""
     init_none_hash(sha256)
 
-    def make(async_scheduling: bool = False, checkpoint: bool = False) -> Scheduler:
+    def make(
+        async_scheduling: bool = False,
+        checkpoint: bool = False,
+        budget: int = 64,
+        num_blocks: int = 64,
+    ) -> Scheduler:
         config = state_cache_config(
             make_checkpoint(weights=False),
-            max_num_batched_tokens=64,
-            max_model_len=64,
+            max_num_batched_tokens=budget,
+            max_model_len=budget,
             block_size=BLOCK,
             async_scheduling=async_scheduling,
         )
-        config.cache_config.num_gpu_blocks = 64
+        config.cache_config.num_gpu_blocks = num_blocks
         return config.scheduler_config.get_scheduler_cls()(
             config,
-            hybrid_cache_config(checkpoint),
+            hybrid_cache_config(checkpoint, num_blocks),
             StructuredOutputManager(config),
             block_size=BLOCK,
             hash_block_size=BLOCK,
@@ -471,6 +480,71 @@ def test_a_state_read_first_is_reused_within_the_state(make_scheduler, state_siz
     # questions: only a request without a state size (the control) reuses it.
     again = d3_request("again", STATE, QUESTIONS, state_size=state_size)
     assert schedule(scheduler, again) == {"again": (hit, 62 - hit)}
+
+
+def serve_pages(scheduler: Scheduler, steps: int, clients: int = 16) -> list[int]:
+    """The benchmark's page workload as the strategy sends it: each client's
+    state (312 tokens: its last whole block ends at 304) read alone, then its
+    four question requests once that read ended, then its next page; each step
+    runs what it schedules to its end. The tokens each question request found
+    cached."""
+    pages = iter(range(1_000))
+    states: dict[str, list[int]] = {}
+    unanswered: dict[str, int] = {}
+    found = []
+
+    def read(page: int) -> None:
+        states[f"p{page}"] = list(range(10_000 * (page + 1), 10_000 * (page + 1) + 312))
+        scheduler.add_request(
+            d3_request(f"p{page}", states[f"p{page}"], [], image=None)
+        )
+
+    for _ in range(clients):
+        read(next(pages))
+    for _ in range(steps):
+        out = scheduler.schedule()
+        ended = [new.req_id for new in out.scheduled_new_reqs]
+        found += [
+            new.num_computed_tokens
+            for new in out.scheduled_new_reqs
+            if "/" in new.req_id
+        ]
+        scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED)
+        for request_id in ended:
+            page, _, question = request_id.partition("/")
+            if not question:
+                unanswered[page] = 4
+                for q in range(4):
+                    asked = list(range(20 + 10 * q, 30 + 10 * q))
+                    scheduler.add_request(
+                        d3_request(f"{page}/{q}", states[page], asked, image=None)
+                    )
+                continue
+            unanswered[page] -= 1
+            if not unanswered[page]:
+                read(next(pages))
+    return found
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_states_questions_go_ahead_of_other_states_reads(
+    make_scheduler, monkeypatch, async_scheduling
+):
+    # A KV cache of 60 blocks holds a few states; 16 clients' states wait to
+    # be read. Each state's questions take its cached blocks (304 tokens)
+    # before the reads queued ahead of them evict those.
+    scheduler = make_scheduler(async_scheduling, True, budget=512, num_blocks=60)
+    found = serve_pages(scheduler, steps=40)
+    assert set(found) == {304}, found
+    # Control: in vLLM's own order, questions wait behind other states' reads,
+    # many find their state evicted and read it again, and fewer are answered.
+    scheduler = make_scheduler(async_scheduling, True, budget=512, num_blocks=60)
+    # The scheduler's module (the plugin's, or in-tree vLLM's) without the rule.
+    scheduler_module = sys.modules[type(scheduler).add_request.__module__]
+    monkeypatch.setattr(scheduler_module, "cached_states_first", lambda *_: None)
+    found_in_vllms_order = serve_pages(scheduler, steps=40)
+    assert found_in_vllms_order.count(0) > 10
+    assert len(found_in_vllms_order) < len(found) / 1.5
 
 
 def test_align_mode_takes_the_platforms_media_rule(make_checkpoint, hopper):

@@ -320,8 +320,11 @@ as that cache:
   (VllmConfig.validate_block_size): its scheduler cuts no prompt;
 - the scheduler reads a prompt that carries d3_state_tokens whole or lets it
   wait (whatever would cut it: the token budget, Mamba's block-aligned split,
-  an encoder cap), and bounds its prefix-cache hit strictly inside its state;
-  other requests are scheduled as before.
+  an encoder cap), bounds its prefix-cache hit strictly inside its state, and
+  queues one whose state is cached ahead of the waiting ones that would read
+  theirs (first-come-first-served queues), so that a KV cache holding a few
+  states does not evict a state between its read and its questions; other
+  requests are scheduled as before.
 
 The key itself, the strategy's state-alone reads and the model side's hits
 are in the earlier commits; explicit --enable-chunked-prefill stays

@@ -10,8 +10,9 @@ state holds question tokens, which read their whole question.
 ``select_state_cache`` serves ``--enable-prefix-caching`` as that cache or
 refuses the settings it cannot run with; the input processor keys every
 request by its whole state (``key_state_block``); the scheduler keeps a hit
-strictly inside the state (``bounded_hit``) and reads a prompt whole or not at
-all (``whole_or_waits``).
+strictly inside the state (``bounded_hit``), reads a prompt whole or not at
+all (``whole_or_waits``) and queues a request whose state is cached ahead of
+those that would read theirs (``cached_states_first``).
 """
 
 import hashlib
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.utils import tensor_data
 
 from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
@@ -36,6 +38,8 @@ from vllm_d3.model_executor.models.d3_serving import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.request_queue import RequestQueue
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.request import Request
 
@@ -171,3 +175,34 @@ def whole_or_waits(
         return num_new_tokens
     whole = num_computed_tokens + num_new_tokens >= request.num_tokens
     return num_new_tokens if whole else 0
+
+
+def cached_states_first(
+    waiting: "RequestQueue", request: "Request", kv_cache_manager: "KVCacheManager"
+) -> None:
+    """Move ``request``, just added at the end of the first-come-first-served
+    queue ``waiting``, ahead of the waiting requests that would read their
+    state, where its own state is cached (among those whose state is, it stays
+    last). Its questions then take the cached blocks before a state read
+    queued earlier allocates the blocks that evict them: where the KV cache
+    holds a few states, a state's questions sent once it was read (the
+    strategy's state-alone read) otherwise wait behind other states' reads
+    and find their own evicted. Other policies' queues are left as they are."""
+    if not isinstance(waiting, FCFSRequestQueue):
+        return
+    if not waiting or waiting[-1] is not request:
+        return
+
+    def reads_cached_state(queued: "Request") -> bool:
+        if queued.num_computed_tokens or request_state_tokens(queued) is None:
+            return False
+        limit = bounded_hit(queued, None)
+        return kv_cache_manager.get_computed_blocks(queued, limit)[1] > 0
+
+    if not reads_cached_state(request):
+        return
+    waiting.pop()
+    ahead = 0
+    while ahead < len(waiting) and reads_cached_state(waiting[ahead]):
+        ahead += 1
+    waiting.insert(ahead, request)

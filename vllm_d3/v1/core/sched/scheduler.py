@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Scheduling prefix_bidir requests with prefix caching on
-(upstream: ``v1/core/sched/scheduler.py``, an edit of three of its methods:
+(upstream: ``v1/core/sched/scheduler.py``, an edit of four of its methods:
 the series' state cache commit, ``vllm_d3.export.series``).
 
 Prefix caching of a hybrid model needs chunked prefill and Mamba "align" mode,
@@ -9,10 +9,11 @@ whose scheduler cuts a prompt where the token budget, a block boundary or an
 encoder cap ends. A prefix_bidir prompt's state and question blocks read
 themselves both ways, so it is scheduled whole or waits: ``D3Scheduler``
 (and ``D3AsyncScheduler``, for async scheduling) keeps each request that
-carries a state block size from being cut, and bounds its prefix-cache hit
-inside its state (``d3_state_cache``). Requests without one are scheduled as
-vLLM does. The plugin's config hook selects them where prefix caching is on;
-in-tree vLLM's own schedulers have the edit.
+carries a state block size from being cut, bounds its prefix-cache hit
+inside its state and queues a request whose state is cached ahead of those
+that would read theirs (``d3_state_cache``). Requests without one are
+scheduled as vLLM does. The plugin's config hook selects them where prefix
+caching is on; in-tree vLLM's own schedulers have the edit.
 """
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -22,12 +23,17 @@ from vllm.v1.request import Request
 
 from vllm_d3.v1.core.d3_state_cache import (
     bounded_hit,
+    cached_states_first,
     request_state_tokens,
     whole_or_waits,
 )
 
 
 class D3Scheduler(Scheduler):
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        cached_states_first(self.waiting, request, self.kv_cache_manager)
+
     def _get_local_prefix_cache_hit(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
