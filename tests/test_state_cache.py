@@ -494,10 +494,9 @@ def serve_pages(scheduler: Scheduler, steps: int, clients: int = 16) -> list[int
     found = []
 
     def read(page: int) -> None:
-        states[f"p{page}"] = list(range(10_000 * (page + 1), 10_000 * (page + 1) + 312))
-        scheduler.add_request(
-            d3_request(f"p{page}", states[f"p{page}"], [], image=None)
-        )
+        name, first = f"p{page}", 10_000 * (page + 1)
+        states[name] = list(range(first, first + 312))
+        scheduler.add_request(d3_request(name, states[name], [], image=None))
 
     for _ in range(clients):
         read(next(pages))

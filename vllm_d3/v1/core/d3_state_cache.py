@@ -194,9 +194,10 @@ def cached_states_first(
         return
 
     def reads_cached_state(queued: "Request") -> bool:
-        if queued.num_computed_tokens or request_state_tokens(queued) is None:
+        state_tokens = request_state_tokens(queued)
+        if queued.num_computed_tokens or state_tokens is None:
             return False
-        limit = bounded_hit(queued, None)
+        limit = state_hit_limit(state_tokens, queued.num_tokens)
         return kv_cache_manager.get_computed_blocks(queued, limit)[1] > 0
 
     if not reads_cached_state(request):
