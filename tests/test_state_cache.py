@@ -482,23 +482,37 @@ def test_a_state_read_first_is_reused_within_the_state(make_scheduler, state_siz
     assert schedule(scheduler, again) == {"again": (hit, 62 - hit)}
 
 
-def serve_pages(scheduler: Scheduler, steps: int, clients: int = 16) -> list[int]:
-    """The benchmark's page workload as the strategy sends it: each client's
-    state (312 tokens: its last whole block ends at 304) read alone, then its
-    four question requests once that read ended, then its next page; each step
-    runs what it schedules to its end. The tokens each question request found
+def serve_pages(
+    scheduler: Scheduler, steps: int, *, at_once: bool = False, round_trip: int = 0
+) -> list[int]:
+    """The benchmark's page workload: each of 16 clients' states (312 tokens:
+    its last whole block ends at 304) read alone and its four question
+    requests, sent with the read (``at_once``, as the strategy sends them) or
+    ``round_trip`` steps after it ended, then its next page; each step runs
+    what it schedules to its end. The tokens each question request found
     cached."""
     pages = iter(range(1_000))
     states: dict[str, list[int]] = {}
     unanswered: dict[str, int] = {}
+    asked_later: list[list[str]] = [[] for _ in range(round_trip)]
     found = []
+
+    def ask(page: str) -> None:
+        for q in range(4):
+            asked = list(range(20 + 10 * q, 30 + 10 * q))
+            scheduler.add_request(
+                d3_request(f"{page}/{q}", states[page], asked, image=None)
+            )
 
     def read(page: int) -> None:
         name, first = f"p{page}", 10_000 * (page + 1)
         states[name] = list(range(first, first + 312))
         scheduler.add_request(d3_request(name, states[name], [], image=None))
+        unanswered[name] = 4
+        if at_once:
+            ask(name)
 
-    for _ in range(clients):
+    for _ in range(16):
         read(next(pages))
     for _ in range(steps):
         out = scheduler.schedule()
@@ -509,20 +523,42 @@ def serve_pages(scheduler: Scheduler, steps: int, clients: int = 16) -> list[int
             if "/" in new.req_id
         ]
         scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED)
+        read_now = [r for r in ended if "/" not in r and not at_once]
+        asked_later.append(read_now)
+        for page in asked_later.pop(0):
+            ask(page)
         for request_id in ended:
             page, _, question = request_id.partition("/")
-            if not question:
-                unanswered[page] = 4
-                for q in range(4):
-                    asked = list(range(20 + 10 * q, 30 + 10 * q))
-                    scheduler.add_request(
-                        d3_request(f"{page}/{q}", states[page], asked, image=None)
-                    )
-                continue
-            unanswered[page] -= 1
-            if not unanswered[page]:
-                read(next(pages))
+            if question:
+                unanswered[page] -= 1
+                if not unanswered[page]:
+                    read(next(pages))
     return found
+
+
+def scheduler_module(scheduler: Scheduler):
+    """The module of ``scheduler``'s rules: the plugin's, or in-tree vLLM's."""
+    return sys.modules[type(scheduler).add_request.__module__]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_questions_sent_with_their_states_read_find_it_cached(
+    make_scheduler, async_scheduling
+):
+    # A KV cache of 60 blocks holds about three states; 16 clients' states
+    # wait to be read. Questions queued with their state's read alone are
+    # scheduled once it is (vLLM caches blocks as it schedules them) and take
+    # its blocks (304 tokens) before other reads evict them.
+    scheduler = make_scheduler(async_scheduling, True, budget=512, num_blocks=60)
+    found = serve_pages(scheduler, steps=40, at_once=True)
+    assert set(found) == {304}, found
+    # Control: sent one step after the read ended (the front end's round
+    # trip), the questions find the state evicted by the reads scheduled in
+    # between and read it again, and fewer are answered.
+    scheduler = make_scheduler(async_scheduling, True, budget=512, num_blocks=60)
+    after_a_round_trip = serve_pages(scheduler, steps=40, round_trip=1)
+    assert after_a_round_trip.count(0) > 10
+    assert len(after_a_round_trip) < len(found) / 1.5
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -538,9 +574,9 @@ def test_a_states_questions_go_ahead_of_other_states_reads(
     # Control: in vLLM's own order, questions wait behind other states' reads,
     # many find their state evicted and read it again, and fewer are answered.
     scheduler = make_scheduler(async_scheduling, True, budget=512, num_blocks=60)
-    # The scheduler's module (the plugin's, or in-tree vLLM's) without the rule.
-    scheduler_module = sys.modules[type(scheduler).add_request.__module__]
-    monkeypatch.setattr(scheduler_module, "cached_states_first", lambda *_: None)
+    monkeypatch.setattr(
+        scheduler_module(scheduler), "cached_states_first", lambda *_: None
+    )
     found_in_vllms_order = serve_pages(scheduler, steps=40)
     assert found_in_vllms_order.count(0) > 10
     assert len(found_in_vllms_order) < len(found) / 1.5

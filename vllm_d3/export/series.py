@@ -201,9 +201,9 @@ D3StateBlockReads (the new d3_reads module), a base of D3Strategy:
   took from the prefix cache;
 - with prefix caching (which the contract refuses for prefix_bidir until a
   later commit serves it as the state cache), reads a state longer than the
-  cache's grid alone first, once for the reads of it in flight (found by the
-  state's key, the new d3_state_key module), so that the questions find it
-  cached;
+  cache's grid alone, once for the reads of it in flight (found by the
+  state's key, the new d3_state_key module), its questions sent right
+  behind it, so that they find it cached;
 - tokenizes the head the questions of a request share (system turn, media,
   state) once, and each question's own tail, after checking the split once
   against whole prompts (question_tokens).
@@ -222,7 +222,7 @@ Checkpoints that need none of it keep read's plain encodes.""",
         "--deselect=tests/test_strategy.py::"
         "test_an_engine_error_fails_the_read_naming_it[True]",
         "--deselect=tests/test_strategy.py::"
-        "test_a_state_is_read_alone_before_its_questions[True]",
+        "test_a_state_is_read_alone_first_with_its_questions[True]",
         "--deselect=tests/test_strategy.py::"
         "test_usage_counts_what_was_computed_and_what_was_cached[True]",
         # The key comes with the state cache's commit.
@@ -288,7 +288,7 @@ switches, and logs each with its reason.""",
         "tests/test_strategy.py::test_state_once_packs_the_questions",
         "tests/test_strategy.py::test_a_pack_too_long_for_the_engine_is_split",
         "tests/test_strategy.py::test_an_engine_error_fails_the_read_naming_it[True]",
-        "tests/test_strategy.py::test_a_state_is_read_alone_before_its_questions[True]",
+        "tests/test_strategy.py::test_a_state_is_read_alone_first_with_its_questions[True]",
         "tests/test_strategy.py::"
         "test_usage_counts_what_was_computed_and_what_was_cached[True]",
         "tests/test_entrypoints.py::test_packed_requests_need_state_once",

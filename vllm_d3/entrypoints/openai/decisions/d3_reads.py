@@ -14,8 +14,9 @@ state once (the config hook's decision) the questions go packed into as few
 engine requests as one step holds (``_plan``), otherwise one encode per
 question carries the state size. With prefix caching (every engine request
 keyed by its whole state in the input processor), a state longer than the
-cache's grid is read alone first, once for the reads of it in flight, so that
-the questions' requests find it cached (``docs/state-cache.md``).
+cache's grid is also read alone, once for the reads of it in flight, sent
+right before the questions' requests, which find the blocks vLLM caches as
+it schedules the read (``docs/state-cache.md``).
 """
 
 import asyncio
@@ -180,7 +181,7 @@ class D3StateBlockReads:
         self.state_cache = self.prefix_bidir and cache_config.enable_prefix_caching
         self.state_grid = checkpoint_grid(cache_config) if self.state_cache else 0
         #: The state-alone reads in flight, by key: a read of the same state
-        #: waits for the one in flight instead of reading it again.
+        #: sends none (its questions take the one in flight's blocks).
         self.state_reads: dict[str, asyncio.Task[PoolingRequestOutput]] = {}
         #: Whether prompts are tokenized as a shared head and a tail (None:
         #: not checked yet), and the last head with its tokens and their
@@ -302,13 +303,21 @@ class D3StateBlockReads:
             engine_inputs, params, questions, state, media, request_id
         )
         usage = [QuestionTokens(0, 0) for _ in questions]
-        if state_read is not None:
-            output = await self._read_state_alone(state_read, encode_kwargs)
-            if output is not None:
-                usage[0] = state_read.usage(output)[0]
-        outputs = await asyncio.gather(
-            *(self._send(read, encode_kwargs) for read in reads)
+        # Sent first; its questions right behind it, not once it ended: in
+        # between, other states' reads could evict it (docs/state-cache.md).
+        alone = (
+            None if state_read is None else self._read_alone(state_read, encode_kwargs)
         )
+        try:
+            outputs = await asyncio.gather(
+                *(self._send(read, encode_kwargs) for read in reads)
+            )
+            if state_read is not None and alone is not None:
+                usage[0] = state_read.usage(await alone)[0]
+        except BaseException:
+            if alone is not None:
+                alone.cancel()  # a read that fails or is cancelled leaves it
+            raise
         logits: list[torch.Tensor] = [torch.empty(0)] * len(questions)
         for read, output in zip(reads, outputs, strict=True):
             rows = output.outputs.data.view(len(read.questions), -1)
@@ -336,8 +345,8 @@ class D3StateBlockReads:
         prefix_bidir; state once, packs ``state || q1 || ... || qQ`` with
         ``d3_question_ends``, as many as ``max_model_len`` and
         ``max_num_batched_tokens`` need (each reading the state again, and
-        logged). With the state cache, a state longer than its grid is read
-        alone first."""
+        logged). With the state cache, a state longer than its grid is also
+        read alone (sent first)."""
         ids = [engine_input["prompt_token_ids"] for engine_input in engine_inputs]
         if not self.prefix_bidir:
             return _per_question_reads(engine_inputs, params, request_id, 0), None
@@ -398,13 +407,11 @@ class D3StateBlockReads:
             )
         return reads
 
-    async def _read_state_alone(
+    def _read_alone(
         self, read: _Read, encode_kwargs: dict[str, Any]
-    ) -> PoolingRequestOutput | None:
-        """Send ``read``, a state alone, and wait for it (its readout is not
-        used); where a read of the same state is in flight, wait for that one
-        instead (``None``), whether it ends well or not: the questions'
-        requests compute whatever they do not find cached."""
+    ) -> "asyncio.Task[PoolingRequestOutput] | None":
+        """Send ``read``, a state alone (its readout is not used), as a task;
+        ``None`` where a read of the same state is in flight."""
         alone = read.engine_input
         # The key the input processor gives the state's blocks.
         key = state_cache_salt(
@@ -412,14 +419,12 @@ class D3StateBlockReads:
             alone["prompt_token_ids"],
             media_identifiers(alone),
         )
-        in_flight = self.state_reads.get(key)
-        if in_flight is not None:
-            await asyncio.wait([in_flight])
+        if key in self.state_reads:
             return None
         task = asyncio.ensure_future(self._send(read, encode_kwargs))
         self.state_reads[key] = task
         task.add_done_callback(lambda _: self.state_reads.pop(key, None))
-        return await task
+        return task
 
     async def _send(
         self, read: _Read, encode_kwargs: dict[str, Any]
