@@ -6,8 +6,9 @@ keyed on a shared prefix only, and its speed (GPU).
 
 Contract:
 - Answers: the validation's prefix_bidir checkpoint and sets (``--quick``, as
-  the validation's) over ``/v1/systemone``, from ``vllm serve`` without, then
-  with ``--enable-prefix-caching`` and a KV cache of ``CACHED_KV_CACHE_BYTES``.
+  the validation's) over ``/v1/systemone``, from ``vllm serve`` with
+  ``--no-enable-prefix-caching``, then with ``--enable-prefix-caching`` and a
+  KV cache of ``CACHED_KV_CACHE_BYTES``.
   With, every set goes three times: ``cold``, ``cached`` (its states read
   before) and ``after eviction`` (after other states of about
   ``EVICT_FACTOR`` times the KV cache's tokens went through). Each pass
@@ -18,15 +19,16 @@ Contract:
   token after their shared whole blocks, read with the key left out, against
   it read uncached (max |dp|).
 - Speed: the d3-turbo-shaped package (random weights) at ``--max-model-len``
-  ``SPEED_MAX_MODEL_LEN``, uncached then cached: after an untimed request of
-  the same size, a ``REPEAT_TOKENS`` state with 2 questions sent twice (each
-  timed); the p50 of ``SHORT_REPEATS`` ``SHORT_ROW`` requests, each a state
-  never read (what the cache costs a miss); then ``--clients`` clients for
-  ``--seconds``, each sending pages one after another: a ``PAGE_TOKENS``
-  state with ``PAGE_QUESTIONS`` questions as ``PAGE_REQUESTS`` requests at
-  once, then its next page; pages/s: the requests answered within the
-  window, ``PAGE_REQUESTS`` to a page, over the time to the last. The
-  requests both sides answered: their answers compared.
+  ``SPEED_MAX_MODEL_LEN``, uncached then cached (each flag given): after an
+  untimed request of the same size, a ``REPEAT_TOKENS`` state with 2
+  questions sent twice (each timed); the p50 of ``SHORT_REPEATS``
+  ``SHORT_ROW`` requests, each a state never read (what the cache costs a
+  miss); then ``--clients`` clients for ``--seconds``, each sending pages
+  one after another: a ``PAGE_TOKENS`` state with ``PAGE_QUESTIONS``
+  questions as ``PAGE_REQUESTS`` requests at once, then its next page;
+  pages/s: the requests answered within the window, ``PAGE_REQUESTS`` to a
+  page, over the time to the last. The requests both sides answered: their
+  answers compared.
 - ``--parts`` runs some of ``PARTS`` only. Writes each part (and each speed
   side) to ``OUT/<part>.json`` as it ends, then, once every part is in
   ``OUT`` (this run's or an earlier run's with the same ``OUT``),
@@ -164,7 +166,8 @@ def answers_part(args: argparse.Namespace, checkpoint: str, per_token: float) ->
     sets = scaled_sets(checkpoint, quick=args.quick)
     # The long sets need the longer length, as in the validation.
     plain = server_flags(not args.quick, {}, args.serve_arg)
-    with Server(checkpoint, *plain, log_file=args.out / "serve.log") as server:
+    uncached_flags = ["--no-enable-prefix-caching", *plain]
+    with Server(checkpoint, *uncached_flags, log_file=args.out / "serve.log") as server:
         server.wait()
         uncached, _ = send_sets(server.url, sets)
     log("answers: uncached")
@@ -310,7 +313,11 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
     pages = make_pages(rng, args.pages, per_token)
     results: dict[str, Any] = {}
     replies = {}
-    for side, flags in (("uncached", []), ("cached", ["--enable-prefix-caching"])):
+    sides = (
+        ("uncached", ["--no-enable-prefix-caching"]),
+        ("cached", ["--enable-prefix-caching"]),
+    )
+    for side, flags in sides:
         # The package has no weights (vllm_side's rule).
         all_flags = serve_flags(
             checkpoint,

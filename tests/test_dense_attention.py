@@ -286,7 +286,11 @@ def test_state_once_where_dense_pieces_run(make_checkpoint, hopper, hook_log):
     config = engine_config(make_checkpoint(weights=False))
     # The decisions apart from the user's switches, of which none was given.
     assert config.additional_config == {
-        "d3_decided": {"d3_attention_kernel": "fa3", "d3_state_once": True},
+        "d3_decided": {
+            "d3_attention_kernel": "fa3",
+            "d3_state_once": True,
+            "state_cache_by_default": True,
+        },
         "gdn_prefill_backend": "triton",
     }
     log = "\n".join(hook_log)

@@ -259,6 +259,13 @@ def state_cache_config(model: str, **kwargs) -> VllmConfig:
     ).create_engine_config()
 
 
+def uncached_config(model: str, **kwargs) -> VllmConfig:
+    """The engine config of ``vllm serve model --no-enable-prefix-caching``."""
+    return EngineArgs(
+        model=model, enable_prefix_caching=False, **kwargs
+    ).create_engine_config()
+
+
 @pytest.fixture
 def log(monkeypatch) -> list[str]:
     """The state cache's INFO lines."""
@@ -289,12 +296,66 @@ def test_prefix_caching_is_served_as_the_state_cache(
     (warning,) = [w for w in warnings if "prefix caching" in w]
     assert "does not officially support prefix caching" in warning
     assert "does not officially support prefix caching" in log[-1]
-    # Control: by default nothing is cached, and the log says so.
-    default = EngineArgs(model=model).create_engine_config()
-    assert not default.cache_config.enable_prefix_caching
-    assert default.cache_config.mamba_cache_mode == "none"
-    assert not default.scheduler_config.enable_chunked_prefill
+    # Control: with --no-enable-prefix-caching nothing is cached, and the log
+    # says so.
+    plain = uncached_config(model)
+    assert not plain.cache_config.enable_prefix_caching
+    assert plain.cache_config.mamba_cache_mode == "none"
+    assert not plain.scheduler_config.enable_chunked_prefill
     assert "states are not cached across requests" in log[-1]
+
+
+def test_prefix_caching_is_on_by_default(make_checkpoint, hopper, log, monkeypatch):
+    warnings: list[str] = []
+    monkeypatch.setattr(arg_utils.logger, "warning_once", warnings.append)
+    model = make_checkpoint(weights=False)
+    default = EngineArgs(model=model).create_engine_config()
+    asked = state_cache_config(model)
+    # Served as --enable-prefix-caching is, without vLLM's warning about a
+    # flag the user did not give; the log says it is the default.
+    for config in (default, asked):
+        assert config.cache_config.enable_prefix_caching
+        assert config.cache_config.mamba_cache_mode == "align"
+        assert config.scheduler_config.enable_chunked_prefill
+    assert default.scheduler_config.scheduler_cls == (
+        asked.scheduler_config.scheduler_cls
+    )
+    assert len([w for w in warnings if "prefix caching" in w]) == 1
+    assert "on by default (--no-enable-prefix-caching" in log[-2]
+    assert "on by default" not in log[-1]
+    # Control: the causal sibling keeps vLLM's default (on for it) and its
+    # scheduler.
+    causal = make_checkpoint(attention_mode="causal", weights=False)
+    sibling = EngineArgs(model=causal).create_engine_config()
+    assert sibling.scheduler_config.scheduler_cls is None
+    assert "d3_decided" not in sibling.additional_config
+
+
+@pytest.mark.parametrize(
+    ("additional", "reason"),
+    [
+        ({"d3_state_once": False}, "one engine request per question"),
+        ({"gdn_prefill_backend": "flashinfer"}, "--gdn-prefill-backend flashinfer"),
+    ],
+)
+def test_by_default_what_the_state_cache_cannot_run_with_turns_it_off(
+    make_checkpoint, hopper, log, additional, reason
+):
+    model = make_checkpoint(weights=False)
+    default = EngineArgs(
+        model=model, additional_config=dict(additional)
+    ).create_engine_config()
+    assert "on by default, is off" in log[-1] and reason in log[-1]
+    # The engine --no-enable-prefix-caching gives.
+    plain = uncached_config(model, additional_config=dict(additional))
+    for field in ("enable_prefix_caching", "mamba_cache_mode", "block_size"):
+        assert getattr(default.cache_config, field) == getattr(
+            plain.cache_config, field
+        )
+    for field in ("enable_chunked_prefill", "max_num_batched_tokens", "scheduler_cls"):
+        assert getattr(default.scheduler_config, field) == getattr(
+            plain.scheduler_config, field
+        )
 
 
 @pytest.mark.parametrize(
@@ -311,7 +372,7 @@ def test_what_the_state_cache_cannot_run_with_is_refused(
     with pytest.raises(ValueError, match=f"--enable-prefix-caching .*{reason}"):
         state_cache_config(model, additional_config=dict(additional))
     # Control: without prefix caching the same settings serve.
-    EngineArgs(model=model, additional_config=dict(additional)).create_engine_config()
+    uncached_config(model, additional_config=dict(additional))
 
 
 def test_a_kv_connector_is_refused(make_checkpoint, hopper):
@@ -363,7 +424,7 @@ def test_every_request_is_keyed_by_its_whole_state(make_checkpoint, hopper):
     assert key(processor, {"prompt_embeds": other_question}) == by_embeds
     assert key(processor, {"prompt_embeds": other_state}) != by_embeds
     # Control: without prefix caching a request keeps the user's salt.
-    plain = EngineArgs(model=model, enable_prompt_embeds=True).create_engine_config()
+    plain = uncached_config(model, enable_prompt_embeds=True)
     assert key(InputProcessor(plain), tenant) == "tenant-b"
 
 
@@ -387,8 +448,7 @@ def test_the_plugin_serves_the_state_cache_with_its_scheduler(
     with pytest.raises(ValueError, match="--scheduler-cls Scheduler cannot serve"):
         state_cache_config(model, scheduler_cls=Scheduler)
     # Control: without prefix caching vLLM's own is left.
-    default = EngineArgs(model=model).create_engine_config()
-    assert default.scheduler_config.scheduler_cls is None
+    assert uncached_config(model).scheduler_config.scheduler_cls is None
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The plugin's four patches of vLLM functions; ``apply`` is idempotent. All
+"""The plugin's five patches of vLLM functions; ``apply`` is idempotent. All
 but the third are no-ops unless the served model is a D3 ``prefix_bidir``
 checkpoint. (Each Gated DeltaNet layer's ``_forward_core`` is also replaced, on
 its instance: ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``.)
@@ -16,6 +16,8 @@ its instance: ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``.)
 4. ``VllmConfig.validate_block_size``: with the state cache, align mode's
    demand for chunked media input (which CUDA and ROCm turn off for a
    prefix-LM model) does not apply (``serves_state_cache``).
+5. ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args``: an
+   unset ``--enable-prefix-caching`` is on (``state_cache_by_default``).
 
 docs/upstream.md says why no hook reaches them.
 """
@@ -28,7 +30,8 @@ from typing import Any
 
 import vllm.entrypoints.launchers.app as launchers_app
 from fastapi import FastAPI
-from vllm.config import VllmConfig
+from vllm.config import ModelConfig, VllmConfig
+from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
 from vllm.v1.engine.input_processor import InputProcessor
 
@@ -39,7 +42,11 @@ from .entrypoints.pooling.d3_state_tokens import (
 from .entrypoints.serve.middleware.systemone_body import (
     add_systemone_body_middleware,
 )
-from .v1.core.d3_state_cache import key_state_block, serves_state_cache
+from .v1.core.d3_state_cache import (
+    key_state_block,
+    serves_state_cache,
+    state_cache_by_default,
+)
 
 _MARK = "__vllm_d3_patch__"
 
@@ -94,12 +101,28 @@ def _wrap_validate_block_size(original: Callable) -> Callable:
     return validate_block_size
 
 
+def _wrap_set_default_prefix_caching(original: Callable) -> Callable:
+    @wraps(original)
+    def set_defaults(self: EngineArgs, model_config: ModelConfig) -> None:
+        unset = self.enable_prefix_caching is None
+        original(self, model_config)
+        if unset:
+            state_cache_by_default(self, model_config)
+
+    return set_defaults
+
+
 #: (owner, attribute, wrapper factory) of each patch.
 PATCHES: tuple[tuple[type | ModuleType, str, Callable[[Callable], Callable]], ...] = (
     (PoolingIOProcessor, "create_pooling_params", _wrap_create_pooling_params),
     (InputProcessor, "process_inputs", _wrap_process_inputs),
     (launchers_app, "init_entrypoints_middleware", _wrap_init_entrypoints_middleware),
     (VllmConfig, "validate_block_size", _wrap_validate_block_size),
+    (
+        EngineArgs,
+        "_set_default_chunked_prefill_and_prefix_caching_args",
+        _wrap_set_default_prefix_caching,
+    ),
 )
 
 

@@ -304,13 +304,17 @@ A prefix_bidir state block's keys, values and Gated DeltaNet states depend on
 the whole state block and nothing else, so a request whose whole state was
 read before may take them from the prefix cache and compute only its
 questions. --enable-prefix-caching is refused for prefix_bidir today; serve it
-as that cache:
+as that cache, on by default (measured on an H100: a state asked again 20x
+faster, pages of 4 requests 3.5x, a miss no slower, a KV cache 6% smaller):
 
-- the config hook (the new d3_state_cache module) accepts it where the state
-  is read once on the Triton GDN prefill and no KV connector is configured,
-  and refuses it otherwise, naming why; it turns on chunked prefill, which
-  prefix caching of a hybrid model asserts, while the token budget stays the
-  one vLLM sized without chunking (at least max_model_len);
+- left unset, it is on for prefix_bidir (EngineArgs' default, from the new
+  d3_state_cache module's state_cache_by_default, marked as the default);
+- the config hook accepts it where the state is read once on the Triton GDN
+  prefill and no KV connector is configured; otherwise it refuses it, naming
+  why, or, where it was the default, turns it off and logs why; it turns on
+  chunked prefill, which prefix caching of a hybrid model asserts, while the
+  token budget stays the one vLLM sized without chunking (at least
+  max_model_len);
 - the input processor keys every prefix_bidir request, of every entry point,
   by its whole state block (its token ids, or its embeddings' digest, and the
   media inside it) under the user's cache_salt, so that two states that

@@ -7,13 +7,14 @@
 ``causal`` and ``noncausal_full_attention`` go through 0.33.0's contract
 unchanged. ``prefix_bidir`` goes through it as a causal checkpoint (the text
 layers stay decoder attention, reading per-request PrefixLM ranges), then the
-model is marked non-causal so that chunked prefill and prefix caching default
-to off; ``validated_length`` becomes ``max_model_len`` where the user gave
+model is marked non-causal so that vLLM defaults chunked prefill and prefix
+caching to off (``state_cache_by_default`` turns prefix caching back on);
+``validated_length`` becomes ``max_model_len`` where the user gave
 none, and the d3-ultra fields are checked (``d3_contract``). At the
 ``VllmConfig`` level a prefix_bidir checkpoint refuses what it cannot be
 served with (``check_prefix_bidir_serving``), then ``select_prefix_bidir_serving``
 (``d3_serving``) picks its attention, its reads and its GDN prefill kernel,
-and ``--enable-prefix-caching`` is served as its state cache
+and prefix caching, on by default, is served as its state cache
 (``d3_state_cache``, with the plugin's scheduler).
 """
 
@@ -63,8 +64,9 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
             finally:
                 hf_config.decision_config = decision
             # The model as a whole is not causal: the state and the question read
-            # themselves both ways. This keeps chunked prefill and prefix caching
-            # off by default; the text layers keep is_causal=True.
+            # themselves both ways. vLLM then defaults chunked prefill and prefix
+            # caching to off (the state cache turns the latter back on); the
+            # text layers keep is_causal=True.
             hf_config.is_causal = False
             if not model_config.is_mm_prefix_lm:
                 raise ValueError(

@@ -7,8 +7,10 @@ the scheduler's rules for a request that carries a state block size
 A state block's keys, values and Gated DeltaNet states depend on the whole
 state block, which its key covers (``d3_state_key.py``); a block past the
 state holds question tokens, which read their whole question.
-``select_state_cache`` serves ``--enable-prefix-caching`` as that cache or
-refuses the settings it cannot run with; the input processor keys every
+Prefix caching left unset is on for prefix_bidir (``state_cache_by_default``).
+``select_state_cache`` serves it as that cache, or refuses the settings it
+cannot run with (where it was the default: turns it off); the input processor
+keys every
 request by its whole state (``key_state_block``); the scheduler keeps a hit
 strictly inside the state (``bounded_hit``), reads a prompt whole or not at
 all (``whole_or_waits``) and queues a request whose state is cached ahead of
@@ -25,7 +27,9 @@ from vllm.v1.utils import tensor_data
 
 from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
 from vllm_d3.model_executor.models.d3_contract import (
+    DECIDED_KEY,
     STATE_TOKENS_KEY,
+    decided,
     decision_config_of,
     is_prefix_bidir,
     state_once_decided,
@@ -37,7 +41,8 @@ from vllm_d3.model_executor.models.d3_serving import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.request_queue import RequestQueue
     from vllm.v1.engine import EngineCoreRequest
@@ -46,11 +51,29 @@ if TYPE_CHECKING:
 # Under the "vllm" logger, so that it shares vLLM's handlers and level.
 logger = init_logger(f"vllm.{__name__}")
 
+#: The decision (``DECIDED_KEY``) that prefix caching is on because the user
+#: left ``--enable-prefix-caching`` unset.
+BY_DEFAULT_KEY = "state_cache_by_default"
+
+
+def state_cache_by_default(
+    engine_args: "EngineArgs", model_config: "ModelConfig"
+) -> None:
+    """Turn prefix caching on for a prefix_bidir checkpoint whose user left it
+    unset (vLLM resolved it to off, as for any hybrid pooling model), marked
+    as the default; docs/state-cache.md has the measurements behind it."""
+    if not is_prefix_bidir(decision_config_of(model_config.hf_config)):
+        return
+    engine_args.enable_prefix_caching = True
+    decisions = engine_args.additional_config.setdefault(DECIDED_KEY, {})
+    decisions[BY_DEFAULT_KEY] = True
+
 
 def select_state_cache(vllm_config: "VllmConfig") -> None:
-    """Serve ``--enable-prefix-caching`` on a prefix_bidir checkpoint as its
-    state cache (after ``select_prefix_bidir_serving``), or refuse the
-    settings it cannot run with; the log says which."""
+    """Serve prefix caching on a prefix_bidir checkpoint as its state cache
+    (after ``select_prefix_bidir_serving``), or refuse the settings it cannot
+    run with: an error where the user asked for it, else it is turned off.
+    The log says which."""
     if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
         return
     if not vllm_config.cache_config.enable_prefix_caching:
@@ -60,6 +83,16 @@ def select_state_cache(vllm_config: "VllmConfig") -> None:
         )
         return
     why_not = _state_cache_refused(vllm_config)
+    by_default = decided(vllm_config.additional_config).get(BY_DEFAULT_KEY) is True
+    if why_not is not None and by_default:
+        # Before vLLM's hybrid hook, which reads it (align mode).
+        vllm_config.cache_config.enable_prefix_caching = False
+        logger.info(
+            "D3 prefix_bidir: states are not cached across requests (prefix "
+            "caching, on by default, is off: %s)",
+            why_not,
+        )
+        return
     if why_not is not None:
         raise ValueError(
             f"--enable-prefix-caching cannot serve this D3 prefix_bidir "
@@ -73,11 +106,13 @@ def select_state_cache(vllm_config: "VllmConfig") -> None:
         "D3 prefix_bidir: states cached across requests: a request whose whole "
         "state (its tokens, its media, its cache_salt) was read before computes "
         "only what follows the state's last cached block; prompts are still "
-        "read whole (steps of up to %d tokens). vLLM's warning that this model "
-        "does not officially support prefix caching is about pooling models that "
-        "read their prompt both ways; this one is served by the state cache's "
-        "keys, hit bounds and scheduler",
+        "read whole (steps of up to %d tokens); %s",
         vllm_config.scheduler_config.max_num_batched_tokens,
+        "on by default (--no-enable-prefix-caching turns it off)"
+        if by_default
+        else "vLLM's warning that this model does not officially support prefix "
+        "caching is about pooling models that read their prompt both ways; this "
+        "one is served by the state cache's keys, hit bounds and scheduler",
     )
 
 
