@@ -375,16 +375,23 @@ def test_what_the_state_cache_cannot_run_with_is_refused(
     uncached_config(model, additional_config=dict(additional))
 
 
-def test_a_kv_connector_is_refused(make_checkpoint, hopper):
+def test_a_kv_connector_is_refused(make_checkpoint, hopper, log):
     # vLLM 0.33.0 builds no KV connector on a machine without GPUs, so the
     # hook is called on a config that names one.
-    config = state_cache_config(make_checkpoint(weights=False))
+    model = make_checkpoint(weights=False)
+    connector = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    config = state_cache_config(model)
     d3_state_cache.select_state_cache(config)
-    config.kv_transfer_config = KVTransferConfig(
-        kv_connector="ExampleConnector", kv_role="kv_both"
-    )
+    config.kv_transfer_config = connector
     with pytest.raises(ValueError, match="KV connector"):
         d3_state_cache.select_state_cache(config)
+    # By default it turns the state cache off instead.
+    default = EngineArgs(model=model).create_engine_config()
+    assert default.cache_config.enable_prefix_caching
+    default.kv_transfer_config = connector
+    d3_state_cache.select_state_cache(default)
+    assert not default.cache_config.enable_prefix_caching
+    assert "on by default, is off" in log[-1] and "KV connector" in log[-1]
 
 
 def test_chunked_prefill_stays_refused(make_checkpoint, hopper):
