@@ -609,6 +609,33 @@ def scheduler_module(scheduler: Scheduler):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_miss_reads_its_state_once(make_scheduler, async_scheduling):
+    # A state read alone and its questions, sent together and all fitting one
+    # step: vLLM schedules the read and holds the questions, whose hit would
+    # fall on the blocks the read allocates, to the next step.
+    scheduler = make_scheduler(async_scheduling, True, budget=2048, num_blocks=200)
+    state = list(range(1_000, 1_312))
+    asked = [
+        d3_request(f"q{q}", state, list(range(20 + 10 * q, 30 + 10 * q)), image=None)
+        for q in range(2)
+    ]
+    alone = d3_request("state", state, [], image=None)
+    assert schedule(scheduler, alone, *asked) == {"state": (0, 312)}
+    assert schedule(scheduler) == {"q0": (304, 18), "q1": (304, 18)}
+    # Control: questions on another state, never read, go at once, each
+    # reading its state.
+    scheduler = make_scheduler(async_scheduling, True, budget=2048, num_blocks=200)
+    other = list(range(5_000, 5_312))
+    elsewhere = [d3_request(f"e{q}", other, [20] * 10, image=None) for q in range(2)]
+    alone = d3_request("state", state, [], image=None)
+    assert schedule(scheduler, alone, *elsewhere) == {
+        "state": (0, 312),
+        "e0": (0, 322),
+        "e1": (0, 322),
+    }
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_questions_sent_with_their_states_read_find_it_cached(
     make_scheduler, async_scheduling
 ):
