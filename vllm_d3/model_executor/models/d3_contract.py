@@ -296,6 +296,15 @@ def decided(additional_config: Any) -> dict[str, Any]:
     return dict(value) if isinstance(value, Mapping) else {}
 
 
+def decisions_to_write(additional_config: dict[str, Any]) -> dict[str, Any]:
+    """The config hook's decisions in ``additional_config`` (``DECIDED_KEY``),
+    to write into; a fresh record where there is none."""
+    decisions = additional_config.get(DECIDED_KEY)
+    if not isinstance(decisions, dict):
+        decisions = additional_config[DECIDED_KEY] = {}
+    return decisions
+
+
 def state_once_decided(additional_config: Any) -> bool:
     """Whether requests are read state once, as the config hook decided."""
     return decided(additional_config).get(STATE_ONCE_KEY) is True

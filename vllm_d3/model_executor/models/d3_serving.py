@@ -31,11 +31,11 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from vllm_d3.model_executor.models.d3_contract import (
     ATTENTION_KERNEL_KEY,
     AUTO_KERNEL,
-    DECIDED_KEY,
     RANGED_KERNEL,
     STATE_ONCE_KEY,
     attention_kernel_of,
     decision_config_of,
+    decisions_to_write,
     is_prefix_bidir,
     state_once_of,
 )
@@ -80,11 +80,7 @@ def _additional_config(vllm_config: "VllmConfig") -> dict[str, Any]:
 
 def _decisions(vllm_config: "VllmConfig") -> dict[str, Any]:
     """The config hook's decisions (``DECIDED_KEY``), apart from the switches."""
-    extra = _additional_config(vllm_config)
-    decisions = extra.get(DECIDED_KEY)
-    if not isinstance(decisions, dict):
-        decisions = extra[DECIDED_KEY] = {}
-    return decisions
+    return decisions_to_write(_additional_config(vllm_config))
 
 
 def _select_full_attention(vllm_config: "VllmConfig", unavailable: str | None) -> bool:

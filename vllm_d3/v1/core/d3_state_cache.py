@@ -27,10 +27,10 @@ from vllm.v1.utils import tensor_data
 
 from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
 from vllm_d3.model_executor.models.d3_contract import (
-    DECIDED_KEY,
     STATE_TOKENS_KEY,
     decided,
     decision_config_of,
+    decisions_to_write,
     is_prefix_bidir,
     state_once_decided,
     state_tokens_of,
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 # Under the "vllm" logger, so that it shares vLLM's handlers and level.
 logger = init_logger(f"vllm.{__name__}")
 
-#: The decision (``DECIDED_KEY``) that prefix caching is on because the user
+#: The decision (``d3_decided``) that prefix caching is on because the user
 #: left ``--enable-prefix-caching`` unset.
 BY_DEFAULT_KEY = "state_cache_by_default"
 
@@ -65,8 +65,7 @@ def state_cache_by_default(
     if not is_prefix_bidir(decision_config_of(model_config.hf_config)):
         return
     engine_args.enable_prefix_caching = True
-    decisions = engine_args.additional_config.setdefault(DECIDED_KEY, {})
-    decisions[BY_DEFAULT_KEY] = True
+    decisions_to_write(engine_args.additional_config)[BY_DEFAULT_KEY] = True
 
 
 def select_state_cache(vllm_config: "VllmConfig") -> None:
@@ -84,16 +83,16 @@ def select_state_cache(vllm_config: "VllmConfig") -> None:
         return
     why_not = _state_cache_refused(vllm_config)
     by_default = decided(vllm_config.additional_config).get(BY_DEFAULT_KEY) is True
-    if why_not is not None and by_default:
-        # Before vLLM's hybrid hook, which reads it (align mode).
-        vllm_config.cache_config.enable_prefix_caching = False
-        logger.info(
-            "D3 prefix_bidir: states are not cached across requests (prefix "
-            "caching, on by default, is off: %s)",
-            why_not,
-        )
-        return
     if why_not is not None:
+        if by_default:
+            # Before vLLM's hybrid hook, which reads it (align mode).
+            vllm_config.cache_config.enable_prefix_caching = False
+            logger.info(
+                "D3 prefix_bidir: states are not cached across requests (prefix "
+                "caching, on by default, is off: %s)",
+                why_not,
+            )
+            return
         raise ValueError(
             f"--enable-prefix-caching cannot serve this D3 prefix_bidir "
             f"checkpoint: {why_not}. Drop --enable-prefix-caching."
