@@ -144,6 +144,15 @@ def runs(make_checkpoint, tmp_path_factory):
     cases = {
         # First, as vLLM's kernel warm-up: 0.33.0's method on fresh prompts.
         "warm-up": (read_alone, tuple(x[read_tokens] for x in inputs), False, 64, 0, 0),
+        # The same on packed state caches (the control's layout).
+        "warm-up-packed-cache": (
+            read_alone,
+            tuple(x[read_tokens] for x in inputs),
+            False,
+            64,
+            0,
+            0,
+        ),
         "gathered": (STEP, inputs, True, 64, 0, 0),
         "views": (alone, alone_inputs, True, 64, 0, 0),
         "two-per-scan": (STEP, inputs, True, 2, 0, 0),
@@ -236,6 +245,7 @@ def runs(make_checkpoint, tmp_path_factory):
     # Further options of some cases (gdn_kernels.Case).
     hit = {"computed": {"p": HIT}}
     options = {
+        "warm-up-packed-cache": {"packed_cache": True},
         "align-mode": {"align_block": ALIGN_BLOCK},
         "hit": {**hit, "cache_from": list(cases).index("p-prefix")},
         "hit-on-other-states": hit,
@@ -341,6 +351,28 @@ def test_the_one_pass_autotunes_no_kernel_the_warm_up_did_not(runs):
     assert any("chunk_gated_delta_rule_fwd" in key for key in tuned)
     assert results["split"]["form"] == "one pass"
     assert results["split"]["tuned"] == []
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "gathered",
+        "two-per-scan",
+        "split",
+        "states-re-read",
+        "long-split",
+        "checkpoints",
+    ],
+)
+def test_a_packed_step_convolves_on_the_layouts_the_warm_up_did(runs, case):
+    # On a GPU a layout of its own would compile the convolution's kernel during
+    # the first packed step a server gets. Each of these runs scratch slots.
+    results, _ = runs
+    warm_up = results["warm-up"]["convolution_layouts"]
+    assert results[case]["convolution_layouts"] <= warm_up
+    # The control: the same warm-up on state slots packed one after the other
+    # (what scratch slots were) convolves on a layout of its own.
+    assert not results["warm-up-packed-cache"]["convolution_layouts"] <= warm_up
 
 
 def test_a_one_token_first_question_equals_its_own_prompt(runs):

@@ -1,9 +1,13 @@
 """vLLM's own Gated DeltaNet kernels on the CPU, through Triton's interpreter.
 
 vLLM 0.33.0's ``QwenGatedDeltaNetAttention._forward_core`` runs Triton kernels:
-the causal convolution, the post-convolution preparation and FLA's chunked delta
-rule. Triton's interpreter runs them on CPU tensors in NumPy, which lets a CPU
-test put the packed phases through the real layer rather than a stand-in. The
+the post-convolution preparation and FLA's chunked delta rule. Triton's
+interpreter runs them on CPU tensors in NumPy, which lets a CPU test put the
+packed phases through the real layer rather than a stand-in. The causal
+convolution runs vLLM's CPU implementation, which its module puts in place of
+the Triton one on a machine without a GPU (whose launch grid does not run in
+the interpreter); the layouts the layer hands it are recorded
+(``convolution_layouts``). The
 layer runs in float16, the tiny checkpoint's dtype: the interpreter's bfloat16
 gives wrong results on FLA's kernels.
 
@@ -16,8 +20,8 @@ own, with ``ENVIRONMENT``:
 
 ``CASES`` is a ``torch.save`` of a list of ``Case`` dicts; ``OUT`` gets, for
 each, the layer's output, its state caches before and after the step, the
-form its Gated DeltaNet ran in and the kernel configurations it was the first
-case to autotune (``run_case``).
+form its Gated DeltaNet ran in, the kernel configurations it was the first
+case to autotune and the layouts its causal convolution got (``run_case``).
 Each case builds the model state of ``vllm serve CHECKPOINT`` on the CPU,
 schedules ``step`` (``(req_id, prompt_len, extra, slot)`` per row, whole
 prompts; ``checkpoints``, if given, as ``model_runner.GivenCheckpoints``
@@ -29,7 +33,9 @@ its ``prepare_attn``, and runs one Gated DeltaNet layer's
 parameters and its state caches (which a fresh prefill must not read) are drawn
 from fixed seeds, the same in every case, or (``cache_from``) taken from the
 state caches an earlier case left. ``restart=False`` calls 0.33.0's method
-itself, not the plugin's (``qwen_gdn_linear_attn.py``).
+itself, not the plugin's (``qwen_gdn_linear_attn.py``). The state caches are
+laid out as vLLM lays them out, each slot at the start of a larger page
+(``paged``), or (``packed_cache``) one slot after the other.
 
 ``use_interpreter()`` makes four differences between the interpreter and a GPU
 harmless; each names what it depends on:
@@ -50,6 +56,7 @@ harmless; each names what it depends on:
 """
 
 import builtins
+import contextlib
 import os
 import sys
 import types
@@ -70,6 +77,10 @@ ENVIRONMENT = {
 PARAMETER_SEED, CACHE_SEED = 1, 2
 #: State slots of the cache the layer gets (each row names its own).
 CACHE_SLOTS = 16
+#: vLLM gives each slot of a layer's state caches one page, which holds the
+#: convolution state and the recurrent one, so either's slots are further apart
+#: than their size. A page here is twice a slot.
+PAGE_SLOTS = 2
 
 
 class Case(TypedDict):
@@ -80,6 +91,7 @@ class Case(TypedDict):
     state_reread_tokens_max: int
     split_sequences_max: int
     checkpoints: NotRequired[dict[int, tuple[int, int]]]
+    packed_cache: NotRequired[bool]
     align_block: NotRequired[int]
     computed: NotRequired[dict[str, int]]
     cache_from: NotRequired[int]
@@ -173,6 +185,56 @@ def autotuned() -> set[str]:
     }
 
 
+def paged(states: torch.Tensor) -> torch.Tensor:
+    """``states`` with each slot at the start of a page ``PAGE_SLOTS`` times
+    its size, as vLLM lays a layer's state caches out."""
+    size = states[0].numel()
+    pages = states.new_zeros((len(states), PAGE_SLOTS * size))
+    slots = pages[:, :size].view(states.shape)
+    slots.copy_(states)
+    return slots
+
+
+@contextlib.contextmanager
+def convolution_layouts() -> Iterator[set[tuple[Any, ...]]]:
+    """The layouts the layer's causal convolution gets while the block runs:
+    what 0.33.0's Triton wrapper (``causal_conv1d_fn``) makes compile-time
+    constants of or specializes its kernel on (the inputs' and the state
+    cache's strides, the cache's dtype and whether it has one slot, the slot
+    indices' stride), so that a layout of its own compiles a kernel of its
+    own. On the CPU the wrapper is vLLM's CPU implementation, which these do
+    not change."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+
+    convolution = qwen_gdn_linear_attn.causal_conv1d_fn
+    layouts: set[tuple[Any, ...]] = set()
+
+    def recorded(x, weight, bias, *, conv_states, cache_indices, **kwargs):
+        layouts.add(
+            (
+                x.stride(),
+                conv_states.stride(),
+                str(conv_states.dtype),
+                len(conv_states) == 1,
+                cache_indices.stride(0),
+            )
+        )
+        return convolution(
+            x,
+            weight,
+            bias,
+            conv_states=conv_states,
+            cache_indices=cache_indices,
+            **kwargs,
+        )
+
+    qwen_gdn_linear_attn.causal_conv1d_fn = recorded  # type: ignore[assignment]
+    try:
+        yield layouts
+    finally:
+        qwen_gdn_linear_attn.causal_conv1d_fn = convolution
+
+
 def run_case(
     checkpoint: str, case: Case, earlier: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -180,7 +242,8 @@ def run_case(
     it (``conv_before``, ``ssm_before``, ``conv_after``, ``ssm_after``; before:
     ``earlier[cache_from]``'s after, where given), the
     form the step ran in (``form``: ``FORMS``) and the kernel configurations
-    it autotuned that no earlier case had (``tuned``)."""
+    it autotuned that no earlier case had (``tuned``) and the layouts its
+    causal convolution got (``convolution_layouts``)."""
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
@@ -228,7 +291,8 @@ def run_case(
         if "cache_from" in case:
             start = earlier[case["cache_from"]]
             before = [start["conv_after"], start["ssm_after"]]
-        layer.kv_cache = tuple(cache.clone() for cache in before)
+        lay_out = torch.clone if case.get("packed_cache") else paged
+        layer.kv_cache = tuple(lay_out(cache) for cache in before)
         mixed_qkv, b, a = case["inputs"]
         out = torch.full(
             (len(mixed_qkv), layer.num_v_heads, layer.head_v_dim),
@@ -241,13 +305,17 @@ def run_case(
             else types.MethodType(QwenGatedDeltaNetAttention._forward_core, layer)
         )
         tuned_before = autotuned()
-        with set_forward_context({gdn[0]: metadata}, config):
+        with (
+            set_forward_context({gdn[0]: metadata}, config),
+            convolution_layouts() as layouts,
+        ):
             core(mixed_qkv, b, a, out)
         conv_after, ssm_after = layer.kv_cache
         conv_before, ssm_before = before
         return {
             "form": form_of(metadata),
             "tuned": sorted(autotuned() - tuned_before),
+            "convolution_layouts": layouts,
             "out": out,
             "conv_before": conv_before,
             "ssm_before": ssm_before,
