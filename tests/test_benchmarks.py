@@ -865,6 +865,21 @@ def test_startup_phases_of_a_log_without_them():
     assert startup_phases("no such lines") == {}
 
 
+def test_the_file_cache_is_primed_with_every_file_of_the_packages(
+    tmp_path, monkeypatch
+):
+    from benchmarks.startup import prime_file_cache
+
+    package = tmp_path / "primed_package"
+    (package / "lib").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "lib" / "kernel.so").write_bytes(b"x" * 1000)
+    (package / "lib" / "table.json").write_text("{}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # A package that is not installed is left out.
+    assert prime_file_cache(("primed_package", "not_installed_package")) == 1002
+
+
 def test_startup_caches_all_live_under_the_modes_home(tmp_path):
     from benchmarks.startup import cache_environment, main
 
