@@ -17,8 +17,10 @@ Contract:
   a request cancelled part-way (its connection closed after a random delay)
   in about 1 of 20, a bad input in about 1 of 50 (``BAD_BODIES``, then the
   validation's bad /v1/systemone bodies, ``validation.bad_inputs``), and one of
-  ``REPEATED`` fixed requests in about 1 of 30, whose answers are held to
-  their first. ``--burst-minute M``: at minute M ``--burst-states`` clients
+  ``REPEATED`` fixed text requests or a fixed long state of the shortest
+  ``--long-tokens`` (which a prefix_bidir server's state cache keeps between
+  its asks, until evicted) in about 1 of 30, whose answers are held to their
+  first. ``--burst-minute M``: at minute M ``--burst-states`` clients
   (``BURST_STATES``) each send a state of the longest ``--long-tokens`` at
   once, more than the KV cache holds, which must queue and be answered
   (``burst``).
@@ -72,6 +74,7 @@ OUTCOMES = ("200", "4xx", "5xx", "cancelled", "client_timeout", "connection_erro
 SHARES = {"long": 1 / 20, "cancel": 1 / 20, "bad": 1 / 50, "repeat": 1 / 30}
 #: The share of the ordinary requests that carry media.
 MEDIA_SHARE = 0.25
+#: The fixed text requests asked again through the run (beside one long state).
 REPEATED = 3
 #: The long states' lengths in tokens (d3-turbo at --max-model-len 131072).
 LONG_TOKENS = (24_000, 117_000)
@@ -139,10 +142,13 @@ class Workload:
         carries_media = {n: "image" in n or "video" in n for n in sets}
         self.text = [r for n, rs in sets.items() if not carries_media[n] for r in rs]
         self.media = [r for n, rs in sets.items() if carries_media[n] for r in rs]
-        self.repeated = [_json(r) for r in self.text[:REPEATED]]
         self.per_token = per_token
         self.long_tokens = long_tokens
         self.bad = bad_jobs(max_model_len)
+        self.repeated = [
+            *(_json(r) for r in self.text[:REPEATED]),
+            self.long_state(long_tokens[0]),
+        ]
 
     def long_state(self, tokens: int | None = None) -> bytes:
         tokens = tokens or self.rng.randint(*self.long_tokens)
@@ -186,7 +192,7 @@ class Workload:
             )
         if kind == "bad":
             return self.rng.choice(self.bad)
-        index = self.rng.randrange(REPEATED)
+        index = self.rng.randrange(len(self.repeated))
         return Job("repeat", self.repeated[index], repeat=index)
 
 

@@ -192,6 +192,18 @@ def test_repeats_are_compared_and_memory_sampled(results):
     assert found["gpu_memory_growth_pct"] is None and found["aborted_in_engine"] is None
 
 
+def test_a_long_state_is_asked_again_beside_the_text_requests():
+    # Its later asks find it in a prefix_bidir server's state cache.
+    workload = soak.Workload(
+        0, per_token=1.0, long_tokens=(300, 900), max_model_len=4096, media=False
+    )
+    words = [len(json.loads(body)["state"].split()) for body in workload.repeated]
+    assert len(words) == soak.REPEATED + 1
+    assert words[-1] == 300 > max(words[:-1])
+    asked = {workload.next().repeat for _ in range(3000)} - {None}
+    assert asked == set(range(len(words)))
+
+
 def test_growth_is_the_last_ten_minutes_against_minute_ten():
     levels = [100.0] * 9 + [200.0] + [201.0] * 9 + [210.0]
     assert soak.growth_pct(levels) == pytest.approx(5.0)
