@@ -7,9 +7,8 @@ packed phases through the real layer rather than a stand-in. The causal
 convolution runs vLLM's CPU implementation, which its module puts in place of
 the Triton one on a machine without a GPU (whose launch grid does not run in
 the interpreter); the layouts the layer hands it are recorded
-(``convolution_layouts``). The
-layer runs in float16, the tiny checkpoint's dtype: the interpreter's bfloat16
-gives wrong results on FLA's kernels.
+(``convolution_layouts``). The layer runs in float16, the tiny checkpoint's
+dtype: the interpreter's bfloat16 gives wrong results on FLA's kernels.
 
 The interpreter must be chosen before the kernels are decorated, and vLLM keeps
 Triton on a machine with no GPU driver only when ``CUDA_VISIBLE_DEVICES`` is set
