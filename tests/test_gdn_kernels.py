@@ -108,6 +108,7 @@ def runs(make_checkpoint, tmp_path_factory):
         read.extend(range(start, start + length))
         start += n
     read_tokens = torch.tensor(read)
+    read_inputs = tuple(x[read_tokens] for x in inputs)
     # A packed row whose first question is one token: vLLM's GDN builder takes
     # such a block, with a state before it, for a decode.
     short_inputs = tuple(x[:12] for x in inputs)
@@ -143,16 +144,9 @@ def runs(make_checkpoint, tmp_path_factory):
     # sequences of a split recurrence)
     cases = {
         # First, as vLLM's kernel warm-up: 0.33.0's method on fresh prompts.
-        "warm-up": (read_alone, tuple(x[read_tokens] for x in inputs), False, 64, 0, 0),
+        "warm-up": (read_alone, read_inputs, False, 64, 0, 0),
         # The same on packed state caches (the control's layout).
-        "warm-up-packed-cache": (
-            read_alone,
-            tuple(x[read_tokens] for x in inputs),
-            False,
-            64,
-            0,
-            0,
-        ),
+        "warm-up-packed-cache": (read_alone, read_inputs, False, 64, 0, 0),
         "gathered": (STEP, inputs, True, 64, 0, 0),
         "views": (alone, alone_inputs, True, 64, 0, 0),
         "two-per-scan": (STEP, inputs, True, 2, 0, 0),
@@ -161,14 +155,7 @@ def runs(make_checkpoint, tmp_path_factory):
         "states-re-read": (STEP, inputs, True, 64, STATE_REREAD_TOKENS_MAX, 0),
         "one-scan": (STEP, inputs, False, 64, 0, 0),
         "own-prompts": (rows, tuple(x[own] for x in inputs), True, 64, 0, 0),
-        "read-alone": (
-            read_alone,
-            tuple(x[read_tokens] for x in inputs),
-            True,
-            64,
-            0,
-            0,
-        ),
+        "read-alone": (read_alone, read_inputs, True, 64, 0, 0),
         "one-token-question": (
             ONE_TOKEN_FIRST,
             short_inputs,
@@ -205,7 +192,7 @@ def runs(make_checkpoint, tmp_path_factory):
         ),
         "checkpoints-unpacked": (
             read_alone,
-            tuple(x[read_tokens] for x in inputs),
+            read_inputs,
             True,
             64,
             0,

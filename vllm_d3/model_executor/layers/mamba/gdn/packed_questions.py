@@ -242,7 +242,7 @@ def scratch_slots(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, n + 1, dtype=torch.int32, device=device)[:, None]
 
 
-def _slots_like(cache: torch.Tensor, slots: int) -> torch.Tensor:
+def _states_like(cache: torch.Tensor, slots: int) -> torch.Tensor:
     """``slots`` scratch state slots laid out as ``cache``'s are, a page apart:
     0.33.0's causal convolution makes compile-time constants of its state
     cache's strides, so scratch slots packed closer would compile a kernel of
@@ -258,14 +258,14 @@ def _slots_like(cache: torch.Tensor, slots: int) -> torch.Tensor:
     )
 
 
-def zeroed_slots(cache: torch.Tensor, slots: int) -> torch.Tensor:
-    """``slots`` zeroed scratch state slots (``_slots_like``)."""
-    return _slots_like(cache, slots).zero_()
+def zeroed_states(cache: torch.Tensor, slots: int) -> torch.Tensor:
+    """``slots`` zeroed scratch state slots (``_states_like``)."""
+    return _states_like(cache, slots).zero_()
 
 
-def gathered_slots(cache: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
-    """Copies of ``cache``'s slots ``sources`` as scratch slots (``_slots_like``)."""
-    return torch.index_select(cache, 0, sources, out=_slots_like(cache, len(sources)))
+def gathered_states(cache: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+    """Copies of ``cache``'s slots ``sources`` as scratch slots (``_states_like``)."""
+    return torch.index_select(cache, 0, sources, out=_states_like(cache, len(sources)))
 
 
 def _scans(blocks: list[_Block], device: torch.device) -> tuple[QuestionScan, ...]:
@@ -652,10 +652,10 @@ def _question_states(
     sources = question_scan.scratch_sources
     if question_scan.metadata.num_decodes:
         return (
-            gathered_slots(conv_states, sources),
-            gathered_slots(recurrent_states, sources),
+            gathered_states(conv_states, sources),
+            gathered_states(recurrent_states, sources),
         )
-    return gathered_slots(conv_states, sources), RowStates(recurrent_states, sources)
+    return gathered_states(conv_states, sources), RowStates(recurrent_states, sources)
 
 
 _Metadata = TypeVar("_Metadata", bound=GDNAttentionMetadata)
@@ -727,7 +727,7 @@ def _scan_to_checkpoints(
     them in place), then each final state to the row's checkpoint slot and to
     its own slot, where phase A continues."""
     cache = layer.kv_cache
-    scratch = tuple(gathered_slots(states, scan.sources) for states in cache)
+    scratch = tuple(gathered_states(states, scan.sources) for states in cache)
     layer.kv_cache = scratch  # type: ignore[assignment]
     _scan(forward_core, inputs, core_attn_out, scan.tokens)
     for states, ends in zip(cache, scratch, strict=True):

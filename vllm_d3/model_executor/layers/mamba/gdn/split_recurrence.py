@@ -47,7 +47,7 @@ from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
     common_metadata,
     layer_step_metadata,
     scratch_slots,
-    zeroed_slots,
+    zeroed_states,
 )
 
 if TYPE_CHECKING:
@@ -322,7 +322,7 @@ def _seeded_windows(
     """Scratch convolution states, one per sequence after the null slot 0: a
     question's holds its state block's last inputs, the others zeros (unread:
     their sequences start fresh)."""
-    scratch = zeroed_slots(conv_cache, 1 + split.metadata.num_reqs)
+    scratch = zeroed_states(conv_cache, 1 + split.metadata.num_reqs)
     # (slots, channels, width), as 0.33.0's kernels read them.
     windows = scratch if is_conv_state_dim_first() else scratch.transpose(-1, -2)
     width = windows.shape[-1]
