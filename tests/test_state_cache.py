@@ -676,6 +676,47 @@ def test_a_states_questions_go_ahead_of_other_states_reads(
     assert len(found_in_vllms_order) < len(found) / 1.5
 
 
+def steps_until_read(scheduler: Scheduler, hits_per_step: int) -> int | None:
+    """A cached state (312 tokens), then a read of another state (400 tokens)
+    while ``hits_per_step`` questions on the cached one (18 tokens each to
+    compute) come every step: the step that schedules the read (``None``
+    within 10)."""
+    cached = list(range(1_000, 1_312))
+    assert schedule(scheduler, d3_request("cached", cached, [], image=None))
+    scheduler.finish_requests(["cached"], RequestStatus.FINISHED_STOPPED)
+    scheduler.add_request(d3_request("read", list(range(5_000, 5_400)), [], image=None))
+    for step in range(10):
+        for q in range(hits_per_step):
+            asked = [20 + q] * 10
+            scheduler.add_request(d3_request(f"{step}/{q}", cached, asked, image=None))
+        scheduled = list(scheduler.schedule().num_scheduled_tokens)
+        scheduler.finish_requests(scheduled, RequestStatus.FINISHED_STOPPED)
+        if "read" in scheduled:
+            return step
+    return None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_hits_hold_a_state_read_back_no_longer_than_their_step(
+    make_scheduler, monkeypatch, async_scheduling
+):
+    # Seven hits a step (126 tokens) and a read of 400 overfill a step of 512:
+    # six go ahead of the read, which shares the first step with them.
+    scheduler = make_scheduler(async_scheduling, True, budget=512, num_blocks=200)
+    assert steps_until_read(scheduler, hits_per_step=7) == 0
+    # Control: every hit ahead of the read, whatever the step holds, and the
+    # read waits for as long as hits keep coming.
+    scheduler = make_scheduler(async_scheduling, True, budget=512, num_blocks=200)
+    module = scheduler_module(scheduler)
+    ahead_of_any = module.cached_states_first
+    monkeypatch.setattr(
+        module,
+        "cached_states_first",
+        lambda *args: ahead_of_any(*args[:3], step_tokens=10**9),
+    )
+    assert steps_until_read(scheduler, hits_per_step=7) is None
+
+
 def test_align_mode_takes_the_platforms_media_rule(make_checkpoint, hopper):
     # CUDA and ROCm turn chunked media input off for a prefix-LM model; align
     # mode asks for it (to end a chunk on a block inside a media item), which

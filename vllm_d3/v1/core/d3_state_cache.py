@@ -212,7 +212,10 @@ def whole_or_waits(
 
 
 def cached_states_first(
-    waiting: "RequestQueue", request: "Request", kv_cache_manager: "KVCacheManager"
+    waiting: "RequestQueue",
+    request: "Request",
+    kv_cache_manager: "KVCacheManager",
+    step_tokens: int,
 ) -> None:
     """Move ``request``, just added at the end of the first-come-first-served
     queue ``waiting``, ahead of the waiting requests that would read their
@@ -221,23 +224,35 @@ def cached_states_first(
     queued earlier allocates the blocks that evict them: where the KV cache
     holds a few states, a state's questions sent once it was read (the
     strategy's state-alone read) otherwise wait behind other states' reads
-    and find their own evicted. Other policies' queues are left as they are."""
+    and find their own evicted. It goes ahead only where the first of those
+    reads still fits a step of ``step_tokens`` behind it and the requests
+    moved ahead before it, so that hits never hold a read back for more than
+    the step they share. Other policies' queues are left as they are."""
     if not isinstance(waiting, FCFSRequestQueue):
         return
     if not waiting or waiting[-1] is not request:
         return
 
-    def reads_cached_state(queued: "Request") -> bool:
+    def cost(queued: "Request") -> tuple[bool, int]:
+        """Whether ``queued`` finds its state cached, and the tokens it
+        computes (a request already begun is counted as one that does)."""
         state_tokens = request_state_tokens(queued)
+        left = queued.num_tokens - queued.num_computed_tokens
         if queued.num_computed_tokens or state_tokens is None:
-            return False
+            return True, left
         limit = state_hit_limit(state_tokens, queued.num_tokens)
-        return kv_cache_manager.get_computed_blocks(queued, limit)[1] > 0
+        hit = kv_cache_manager.get_computed_blocks(queued, limit)[1]
+        return hit > 0, left - hit
 
-    if not reads_cached_state(request):
+    cached, tokens = cost(request)
+    if not cached:
         return
-    waiting.pop()
-    ahead = 0
-    while ahead < len(waiting) and reads_cached_state(waiting[ahead]):
-        ahead += 1
-    waiting.insert(ahead, request)
+    for ahead in range(len(waiting) - 1):
+        cached, queued_tokens = cost(waiting[ahead])
+        if not cached:
+            # The first waiting read: ahead of it where it still fits a step.
+            if tokens + queued_tokens <= step_tokens:
+                waiting.pop()
+                waiting.insert(ahead, request)
+            return
+        tokens += queued_tokens

@@ -32,7 +32,9 @@ from vllm_d3.v1.core.d3_state_cache import (
 class D3Scheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         super().add_request(request)
-        cached_states_first(self.waiting, request, self.kv_cache_manager)
+        cached_states_first(
+            self.waiting, request, self.kv_cache_manager, self.max_num_scheduled_tokens
+        )
 
     def _get_local_prefix_cache_hit(
         self, request: Request, max_cache_hit_length: int | None = None
