@@ -233,23 +233,28 @@ def cached_states_first(
     if not waiting or waiting[-1] is not request:
         return
 
-    def cost(queued: "Request") -> tuple[bool, int]:
-        """Whether ``queued`` finds its state cached, and the tokens it
-        computes (a request already begun is counted as one that does)."""
+    def cached(queued: "Request") -> int | None:
+        """The tokens of ``queued``'s state it finds cached; ``None`` for a
+        request without a state block size or already begun."""
         state_tokens = request_state_tokens(queued)
-        left = queued.num_tokens - queued.num_computed_tokens
         if queued.num_computed_tokens or state_tokens is None:
-            return True, left
+            return None
         limit = state_hit_limit(state_tokens, queued.num_tokens)
-        hit = kv_cache_manager.get_computed_blocks(queued, limit)[1]
-        return hit > 0, left - hit
+        return kv_cache_manager.get_computed_blocks(queued, limit)[1]
 
-    cached, tokens = cost(request)
-    if not cached:
+    def share(queued: "Request") -> tuple[bool, int]:
+        """Whether ``queued`` would read its whole state, and the tokens it
+        computes."""
+        hit = cached(queued)
+        return hit == 0, queued.num_tokens - queued.num_computed_tokens - (hit or 0)
+
+    hit = cached(request)
+    if not hit:
         return
+    tokens = request.num_tokens - hit
     for ahead in range(len(waiting) - 1):
-        cached, queued_tokens = cost(waiting[ahead])
-        if not cached:
+        reads, queued_tokens = share(waiting[ahead])
+        if reads:
             # The first waiting read: ahead of it where it still fits a step.
             if tokens + queued_tokens <= step_tokens:
                 waiting.pop()
