@@ -233,28 +233,24 @@ def cached_states_first(
     if not waiting or waiting[-1] is not request:
         return
 
-    def cached(queued: "Request") -> int | None:
-        """The tokens of ``queued``'s state it finds cached; ``None`` for a
-        request without a state block size or already begun."""
+    def share(queued: "Request") -> tuple[int | None, int]:
+        """The tokens of ``queued``'s state it finds cached (``None`` for a
+        request without a state block size or already begun: not a read of
+        its state), and the tokens it computes."""
+        left = queued.num_tokens - queued.num_computed_tokens
         state_tokens = request_state_tokens(queued)
         if queued.num_computed_tokens or state_tokens is None:
-            return None
+            return None, left
         limit = state_hit_limit(state_tokens, queued.num_tokens)
-        return kv_cache_manager.get_computed_blocks(queued, limit)[1]
+        hit = kv_cache_manager.get_computed_blocks(queued, limit)[1]
+        return hit, left - hit
 
-    def share(queued: "Request") -> tuple[bool, int]:
-        """Whether ``queued`` would read its whole state, and the tokens it
-        computes."""
-        hit = cached(queued)
-        return hit == 0, queued.num_tokens - queued.num_computed_tokens - (hit or 0)
-
-    hit = cached(request)
+    hit, tokens = share(request)
     if not hit:
         return
-    tokens = request.num_tokens - hit
     for ahead in range(len(waiting) - 1):
-        reads, queued_tokens = share(waiting[ahead])
-        if reads:
+        queued_hit, queued_tokens = share(waiting[ahead])
+        if queued_hit == 0:
             # The first waiting read: ahead of it where it still fits a step.
             if tokens + queued_tokens <= step_tokens:
                 waiting.pop()
