@@ -404,8 +404,8 @@ def test_the_engine_allocator_gets_expandable_segments(
     }
     steps = config.scheduler_config.max_num_batched_tokens
     assert (
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the engine: without "
-        f"chunked prefill its steps hold up to {steps} tokens"
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the engine: prompts "
+        f"are read whole, so its steps hold up to {steps} tokens"
     ) in "\n".join(hook_log)
 
 

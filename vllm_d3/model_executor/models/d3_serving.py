@@ -253,12 +253,13 @@ def _select_allocator(vllm_config: "VllmConfig") -> None:
     """Turn on the caching allocator's expandable segments for the engine
     processes, unless the user's settings name them or a KV connector is on.
 
-    Without chunked prefill a step holds up to ``max_num_batched_tokens``
-    (``max_model_len`` or more) tokens, and consecutive steps differ widely in
-    size, so a step's activations (4.25 GiB for one MLP buffer of a full
-    131,072-token step at d3-turbo's shape) may not fit the fixed segments the
-    steps before left: on an H200 a 64-client text mix stopped the engine with
-    12-13 GiB reserved but unallocated.
+    Prompts are read whole (never chunked, whatever vLLM's chunked-prefill flag
+    says), so a step holds up to ``max_num_batched_tokens`` (``max_model_len``
+    or more) tokens, and consecutive steps differ widely in size: a step's
+    activations (4.25 GiB for one MLP buffer of a full 131,072-token step at
+    d3-turbo's shape) may not fit the fixed segments the steps before left. On
+    an H200 a 64-client text mix stopped the engine with 12-13 GiB reserved but
+    unallocated.
     """
     conf = alloc_conf_from_env()
     if any(f.partition(":")[0].strip() == EXPANDABLE_SEGMENTS for f in conf.split(",")):
@@ -276,8 +277,8 @@ def _select_allocator(vllm_config: "VllmConfig") -> None:
     )
     os.environ[name] = with_conf_flag(conf, EXPANDABLE_SEGMENTS, True)
     logger.info(
-        "D3 prefix_bidir: %s=%s for the engine: without chunked prefill its steps "
-        "hold up to %d tokens and vary in size, which fragments the caching "
+        "D3 prefix_bidir: %s=%s for the engine: prompts are read whole, so its "
+        "steps hold up to %d tokens and vary in size, which fragments the caching "
         "allocator (%s=%s:False keeps its segments fixed)",
         name,
         os.environ[name],
