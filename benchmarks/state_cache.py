@@ -7,8 +7,9 @@ keyed on a shared prefix only, and its speed (GPU).
 Contract:
 - Answers: the validation's prefix_bidir checkpoint and sets (``--quick``, as
   the validation's) over ``/v1/systemone``, from ``vllm serve`` with
-  ``--no-enable-prefix-caching``, then with ``--enable-prefix-caching`` and a
-  KV cache of ``CACHED_KV_CACHE_BYTES``.
+  ``--no-enable-prefix-caching``, then with ``--enable-prefix-caching``, a
+  KV cache of ``CACHED_KV_CACHE_BYTES`` and every state longer than a block
+  read alone (``d3_state_cache_min_tokens`` 0: the sets' states are short).
   With, every set goes three times: ``cold``, ``cached`` (its states read
   before) and ``after eviction`` (after other states of about
   ``EVICT_FACTOR`` times the KV cache's tokens went through). Each pass
@@ -51,6 +52,7 @@ from typing import Any
 import httpx
 import torch
 
+from vllm_d3.model_executor.models.d3_contract import STATE_CACHE_MIN_TOKENS_KEY
 from vllm_d3.testing.compare import compare, flatten
 from vllm_d3.testing.own_process import logits_from_script
 from vllm_d3.testing.requests import questions, text_state, words_per_token
@@ -171,11 +173,15 @@ def answers_part(args: argparse.Namespace, checkpoint: str, per_token: float) ->
         server.wait()
         uncached, _ = send_sets(server.url, sets)
     log("answers: uncached")
+    # Every state longer than a block read alone, the sets' short ones too,
+    # so that each pass's hits are the ones under test.
+    every_state = json.dumps({STATE_CACHE_MIN_TOKENS_KEY: 0})
     flags = [
         "--enable-prefix-caching",
-        *plain,
+        *server_flags(not args.quick, {"additional_config": every_state}, []),
         "--kv-cache-memory-bytes",
         str(CACHED_KV_CACHE_BYTES),
+        *args.serve_arg,
     ]
     log_file = args.out / "serve-cached.log"
     passes: dict[str, Any] = {}

@@ -296,6 +296,10 @@ def test_prefix_caching_is_served_as_the_state_cache(
     (warning,) = [w for w in warnings if "prefix caching" in w]
     assert "does not officially support prefix caching" in warning
     assert "does not officially support prefix caching" in log[-1]
+    # The length from which a state is read alone: the default, or the user's.
+    assert "at least 8192 tokens (d3_state_cache_min_tokens)" in log[-1]
+    state_cache_config(model, additional_config={"d3_state_cache_min_tokens": 0})
+    assert "at least 0 tokens (d3_state_cache_min_tokens)" in log[-1]
     # Control: with --no-enable-prefix-caching nothing is cached, and the log
     # says so.
     plain = uncached_config(model)

@@ -114,13 +114,21 @@ def make_strategy(
     max_model_len: int = 4096,
     engine_cls: type = RecordingEngine,
     cache_grid: int | None = None,
+    state_cache_min_tokens: int | None = 0,
 ):
     """The strategy as the front end builds it. The config hook turns state once
     off without a Hopper GPU; ``state_once`` sets what it would decide there.
     ``cache_grid`` turns prefix caching on, as align mode would set it with a
     Gated DeltaNet block of that many tokens (without a GPU the config hook
-    refuses prefix caching: the state cache serves the state-once reads)."""
-    config = EngineArgs(model=path, max_model_len=max_model_len).create_engine_config()
+    refuses prefix caching: the state cache serves the state-once reads).
+    ``state_cache_min_tokens`` is given as ``--additional-config`` (``None``:
+    not given); the tiny checkpoint's states are tens of tokens."""
+    extra = {}
+    if state_cache_min_tokens is not None:
+        extra["d3_state_cache_min_tokens"] = state_cache_min_tokens
+    config = EngineArgs(
+        model=path, max_model_len=max_model_len, additional_config=extra
+    ).create_engine_config()
     if "d3_decided" in config.additional_config:
         config.additional_config["d3_decided"]["d3_state_once"] = state_once
     if cache_grid is not None:
@@ -801,6 +809,36 @@ def test_only_a_state_longer_than_the_grid_is_read_alone(
     read(strategy, "one state")
     questions = [f"t-{n}" for n in range(len(QUESTIONS))]
     assert engine.request_ids == (["t-state"] if read_alone else []) + questions
+
+
+@pytest.mark.parametrize(
+    ("min_tokens_above_state", "read_alone"), [(None, False), (1, False), (0, True)]
+)
+def test_a_state_is_read_alone_from_the_configured_length(
+    make_checkpoint, min_tokens_above_state, read_alone
+):
+    path = make_checkpoint(weights=False)
+    probe, probe_engine = make_strategy(path)
+    read(probe, "one state")
+    s = probe_engine.reads[0][1].extra_kwargs["d3_state_tokens"]
+    # None: the key left out, its default far above this state's length.
+    min_tokens = None if min_tokens_above_state is None else s + min_tokens_above_state
+    strategy, engine = make_strategy(
+        path, cache_grid=16, state_cache_min_tokens=min_tokens
+    )
+    read(strategy, "one state")
+    questions = [f"t-{n}" for n in range(len(QUESTIONS))]
+    assert s > 16
+    assert engine.request_ids == (["t-state"] if read_alone else []) + questions
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "8192"])
+def test_a_malformed_state_cache_min_tokens_is_refused(make_checkpoint, value):
+    path = make_checkpoint(weights=False)
+    with pytest.raises(ValueError, match=f"d3_state_cache_min_tokens .*{value!r}"):
+        EngineArgs(
+            model=path, additional_config={"d3_state_cache_min_tokens": value}
+        ).create_engine_config()
 
 
 def test_reads_of_one_state_in_flight_read_it_alone_once(make_checkpoint):

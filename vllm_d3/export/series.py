@@ -201,9 +201,11 @@ D3StateBlockReads (the new d3_reads module), a base of D3Strategy:
   took from the prefix cache;
 - with prefix caching (which the contract refuses for prefix_bidir until a
   later commit serves it as the state cache), reads a state longer than the
-  cache's grid alone, once for the reads of it in flight (found by the
-  state's key, the new d3_state_key module), its questions sent right
-  behind it, so that they find it cached;
+  cache's grid and of at least additional_config d3_state_cache_min_tokens
+  (8192 by default: the read costs a step, which a request whose state is
+  never asked again pays) alone, once for the reads of it in flight (found
+  by the state's key, the new d3_state_key module), its questions sent
+  right behind it, so that they find it cached;
 - tokenizes the head the questions of a request share (system turn, media,
   state) once, and each question's own tail, after checking the split once
   against whole prompts (question_tokens).
@@ -230,6 +232,9 @@ Checkpoints that need none of it keep read's plain encodes.""",
         "test_every_engine_request_is_keyed_by_the_whole_state",
         "--deselect=tests/test_strategy.py::"
         "test_the_same_text_with_other_images_gets_another_key",
+        # The state cache's commit checks d3_state_cache_min_tokens at start-up.
+        "--deselect=tests/test_strategy.py::"
+        "test_a_malformed_state_cache_min_tokens_is_refused",
     ),
     control="tests/test_strategy.py::test_a_straddling_token_goes_to_the_question",
     backports=("entrypoints/openai/decisions/strategies.py",),
@@ -305,7 +310,8 @@ the whole state block and nothing else, so a request whose whole state was
 read before may take them from the prefix cache and compute only its
 questions. --enable-prefix-caching is refused for prefix_bidir today; serve it
 as that cache, on by default (measured on an H100: a state asked again 20x
-faster, pages of 4 requests 3.5x, a miss no slower, a KV cache 6% smaller):
+faster, pages of 4 requests 3.5x, a short miss no slower, a KV cache 6%
+smaller):
 
 - left unset, it is on for prefix_bidir (EngineArgs' default, from the new
   d3_state_cache module's state_cache_by_default, marked as the default);
@@ -314,7 +320,7 @@ faster, pages of 4 requests 3.5x, a miss no slower, a KV cache 6% smaller):
   why, or, where it was the default, turns it off and logs why; it turns on
   chunked prefill, which prefix caching of a hybrid model asserts, while the
   token budget stays the one vLLM sized without chunking (at least
-  max_model_len);
+  max_model_len); it checks d3_state_cache_min_tokens and logs it;
 - the input processor keys every prefix_bidir request, of every entry point,
   by its whole state block (its token ids, or its embeddings' digest, and the
   media inside it) under the user's cache_salt, so that two states that
@@ -341,6 +347,7 @@ refused.""",
         "tests/test_state_cache.py",
         "tests/test_strategy.py::test_every_engine_request_is_keyed_by_the_whole_state",
         "tests/test_strategy.py::test_the_same_text_with_other_images_gets_another_key",
+        "tests/test_strategy.py::test_a_malformed_state_cache_min_tokens_is_refused",
     ),
     control="tests/test_state_cache.py::"
     "test_prefix_caching_is_served_as_the_state_cache",

@@ -27,11 +27,13 @@ from vllm.v1.utils import tensor_data
 
 from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
 from vllm_d3.model_executor.models.d3_contract import (
+    STATE_CACHE_MIN_TOKENS_KEY,
     STATE_TOKENS_KEY,
     decided,
     decision_config_of,
     decisions_to_write,
     is_prefix_bidir,
+    state_cache_min_tokens_of,
     state_once_decided,
     state_tokens_of,
 )
@@ -75,6 +77,7 @@ def select_state_cache(vllm_config: "VllmConfig") -> None:
     The log says which."""
     if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
         return
+    min_tokens = state_cache_min_tokens_of(vllm_config.additional_config)
     if not vllm_config.cache_config.enable_prefix_caching:
         logger.info(
             "D3 prefix_bidir: states are not cached across requests "
@@ -104,8 +107,14 @@ def select_state_cache(vllm_config: "VllmConfig") -> None:
     logger.info(
         "D3 prefix_bidir: states cached across requests: a request whose whole "
         "state (its tokens, its media, its cache_salt) was read before computes "
-        "only what follows the state's last cached block; prompts are still "
-        "read whole (steps of up to %d tokens); %s",
+        "only what follows the state's last cached block; a state longer than "
+        "a block and of at least %d tokens (%s) is read alone first, in a step "
+        "of its own, so that later requests find it (a shorter one is read with "
+        "its questions, and is found again only where they end in the block "
+        "the state ends in); prompts are still read whole (steps of up to %d "
+        "tokens); %s",
+        min_tokens,
+        STATE_CACHE_MIN_TOKENS_KEY,
         vllm_config.scheduler_config.max_num_batched_tokens,
         "on by default (--no-enable-prefix-caching turns it off)"
         if by_default

@@ -14,7 +14,8 @@ state once (the config hook's decision) the questions go packed into as few
 engine requests as one step holds (``_plan``), otherwise one encode per
 question carries the state size. With prefix caching (every engine request
 keyed by its whole state in the input processor), a state longer than the
-cache's grid is also read alone, once for the reads of it in flight, sent
+cache's grid and of at least ``d3_state_cache_min_tokens`` is also read
+alone, once for the reads of it in flight, sent
 right before the questions' requests, which find the blocks vLLM caches as
 it schedules the read (``docs/state-cache.md``).
 """
@@ -44,6 +45,7 @@ from vllm_d3.model_executor.models.d3_contract import (
     STATE_TOKENS_KEY,
     TemperatureSchedule,
     is_prefix_bidir,
+    state_cache_min_tokens_of,
     state_once_decided,
     temperature_schedule_of,
 )
@@ -177,9 +179,18 @@ class D3StateBlockReads:
             self.max_model_len, vllm_config.scheduler_config.max_num_batched_tokens
         )
         cache_config = vllm_config.cache_config
-        #: Whether states are cached across requests, and on what grid.
+        #: Whether states are cached across requests, and the shortest state
+        #: read alone first: longer than the cache's grid (a shorter one has
+        #: no cached state inside it) and of at least the configured tokens.
         self.state_cache = self.prefix_bidir and cache_config.enable_prefix_caching
-        self.state_grid = checkpoint_grid(cache_config) if self.state_cache else 0
+        self.state_read_alone_tokens = (
+            max(
+                checkpoint_grid(cache_config) + 1,
+                state_cache_min_tokens_of(vllm_config.additional_config),
+            )
+            if self.state_cache
+            else 0
+        )
         #: The state-alone reads in flight, by key: a read of the same state
         #: sends none (its questions take the one in flight's blocks).
         self.state_reads: dict[str, asyncio.Task[PoolingRequestOutput]] = {}
@@ -345,8 +356,8 @@ class D3StateBlockReads:
         prefix_bidir; state once, packs ``state || q1 || ... || qQ`` with
         ``d3_question_ends``, as many as ``max_model_len`` and
         ``max_num_batched_tokens`` need (each reading the state again, and
-        logged). With the state cache, a state longer than its grid is also
-        read alone (sent first)."""
+        logged). With the state cache, a state of at least
+        ``state_read_alone_tokens`` is also read alone (sent first)."""
         ids = [engine_input["prompt_token_ids"] for engine_input in engine_inputs]
         if not self.prefix_bidir:
             return _per_question_reads(engine_inputs, params, request_id, 0), None
@@ -361,7 +372,7 @@ class D3StateBlockReads:
             reads = _per_question_reads(engine_inputs, sized, request_id, s)
         else:
             reads = self._packed_reads(engine_inputs, sized, s, request_id)
-        if not self.state_cache or s <= self.state_grid:
+        if not self.state_cache or s < self.state_read_alone_tokens:
             return reads, None
         alone = {**engine_inputs[0], "prompt_token_ids": ids[0][:s]}
         return reads, _Read(alone, sized, f"{request_id}-state", [], [])
