@@ -22,9 +22,9 @@ Contract:
 - Speed: the d3-turbo-shaped package (random weights) at ``--max-model-len``
   ``SPEED_MAX_MODEL_LEN``, uncached then cached (each flag given): after an
   untimed request of the same size, a ``REPEAT_TOKENS`` state with 2
-  questions sent twice (each timed); the p50 of ``SHORT_REPEATS``
-  ``SHORT_ROW`` requests, each a state never read (what the cache costs a
-  miss); then ``--clients`` clients for ``--seconds``, each sending pages
+  questions sent twice (each timed); per ``SHORT_ROWS`` row, the p50 of
+  ``SHORT_REPEATS`` requests, each a state never read (what the cache costs
+  a miss); then ``--clients`` clients for ``--seconds``, each sending pages
   one after another: a ``PAGE_TOKENS`` state with ``PAGE_QUESTIONS``
   questions as ``PAGE_REQUESTS`` requests at once, then its next page;
   pages/s: the requests answered within the window, ``PAGE_REQUESTS`` to a
@@ -83,8 +83,10 @@ REPEAT_TOKENS = 64_000
 #: (each start's profile step is sized by it).
 SPEED_MAX_MODEL_LEN = 81_920
 PAGE_TOKENS, PAGE_QUESTIONS, PAGE_REQUESTS = 47_000, 26, 4
-#: The short request timed on either side (each a new state), and how often.
-SHORT_ROW, SHORT_REPEATS = "text-16", 10
+#: The short requests timed on either side, each a new state (what the cache
+#: costs a miss): the text row's state is shorter than a block, the photo
+#: row's longer; and how often.
+SHORT_ROWS, SHORT_REPEATS = ("text-16", "photo-8"), 10
 SUMMARY_KEYS = (
     "repeat_64k_first_s",
     "repeat_64k_second_s",
@@ -98,7 +100,7 @@ SUMMARY_KEYS = (
 SPEED_COLUMNS = (
     "repeat_first_s",
     "repeat_second_s",
-    f"{SHORT_ROW}_p50_s",
+    *(f"{row}_p50_s" for row in SHORT_ROWS),
     "pages_per_s",
 )
 #: vLLM's counters of its requests' prompt tokens, and of those taken from
@@ -294,6 +296,13 @@ def timed(url: str, request: dict) -> float:
     return time.monotonic() - started
 
 
+def p50_after_one(url: str, requests: list[dict]) -> float:
+    """The p50 of ``requests`` after the first (the shape's first call: its
+    compilations), timed one at a time."""
+    timed(url, requests[0])
+    return statistics.median(timed(url, r) for r in requests[1:])
+
+
 def speed_part(args: argparse.Namespace, work: Path) -> dict:
     """The repeated 64K state, short requests and the pages, uncached then
     cached; the answers of the page requests both sides answered, against
@@ -312,9 +321,12 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
         for _ in range(2)
     )
     # Each a state of its own: what a miss costs a short request.
-    shorts = row_requests(
-        ROWS_BY_ID[SHORT_ROW], 1 + SHORT_REPEATS, seed=0, words_per_token=per_token
-    )
+    shorts = {
+        row: row_requests(
+            ROWS_BY_ID[row], 1 + SHORT_REPEATS, seed=0, words_per_token=per_token
+        )
+        for row in SHORT_ROWS
+    }
     # Pages enough for either side; each state is read by one page only.
     pages = make_pages(rng, args.pages, per_token)
     results: dict[str, Any] = {}
@@ -334,8 +346,10 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
             server.wait(900)
             timed(server.url, warm_up)
             first, second = timed(server.url, repeat), timed(server.url, repeat)
-            timed(server.url, shorts[0])  # the short shape's first call, untimed
-            short = statistics.median(timed(server.url, r) for r in shorts[1:])
+            short_p50s = {
+                f"{row}_p50_s": p50_after_one(server.url, requests)
+                for row, requests in shorts.items()
+            }
             before = prompt_tokens(server.url)
             rate, replies[side] = asyncio.run(
                 _pages_per_s(server.url, pages, args.clients, args.seconds)
@@ -349,7 +363,7 @@ def speed_part(args: argparse.Namespace, work: Path) -> dict:
             {
                 "repeat_first_s": first,
                 "repeat_second_s": second,
-                f"{SHORT_ROW}_p50_s": short,
+                **short_p50s,
                 "pages_per_s": rate,
                 "pages_prompt_tokens": page_tokens["prompt"],
                 "pages_cached_tokens": page_tokens["cached"],
@@ -411,7 +425,8 @@ def report(results: dict[str, Any]) -> str:
     lines = ["# The state cache on one GPU", "", "| key | value |", "|---|---|"]
     lines += [f"| {k} | {results['summary'][k]} |" for k in SUMMARY_KEYS]
     speed = results["speed"]
-    lines += ["", f"| side | {' | '.join(SPEED_COLUMNS)} |", "|---|---|---|---|---|"]
+    lines += ["", f"| side | {' | '.join(SPEED_COLUMNS)} |"]
+    lines += ["|---" * (1 + len(SPEED_COLUMNS)) + "|"]
     lines += [
         f"| {side} | {' | '.join(f'{speed[side][c]:.3f}' for c in SPEED_COLUMNS)} |"
         for side in ("uncached", "cached")

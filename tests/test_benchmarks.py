@@ -1072,6 +1072,7 @@ STATE_CACHE_SPEED = {
         "repeat_first_s": first,
         "repeat_second_s": 0.3,
         "text-16_p50_s": 0.16,
+        "photo-8_p50_s": 0.24,
         "pages_per_s": rate,
     }
     for side, first, rate in (("uncached", 7.6, 0.2), ("cached", 7.7, 0.7))
@@ -1093,7 +1094,8 @@ def test_the_state_cache_summary_takes_every_pass_and_set():
     }
     text = state_cache.report({"summary": summary, "answers": answers, "speed": speed})
     assert "| validation_max_dp | 0.004 |" in text
-    assert "| cached | 7.700 | 0.300 | 0.160 | 0.700 |" in text
+    assert "| cached | 7.700 | 0.300 | 0.160 | 0.240 | 0.700 |" in text
+    assert "|---|---|---|---|---|---|\n" in text
     assert "## cached (96 tokens from the cache)" in text
 
 
