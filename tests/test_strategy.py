@@ -796,39 +796,24 @@ def test_a_state_is_read_alone_first_with_its_questions(make_checkpoint, state_o
     assert len(set(engine.cache_keys())) == 1
 
 
-@pytest.mark.parametrize(("grid_below_state", "read_alone"), [(0, False), (1, True)])
-def test_only_a_state_longer_than_the_grid_is_read_alone(
-    make_checkpoint, grid_below_state, read_alone
-):
-    path = make_checkpoint(weights=False)
-    probe, probe_engine = make_strategy(path)
-    read(probe, "one state")
-    s = probe_engine.reads[0][1].extra_kwargs["d3_state_tokens"]
-    grid = s - grid_below_state
-    strategy, engine = make_strategy(path, cache_grid=grid)
-    read(strategy, "one state")
-    questions = [f"t-{n}" for n in range(len(QUESTIONS))]
-    assert engine.request_ids == (["t-state"] if read_alone else []) + questions
-
-
 @pytest.mark.parametrize(
-    ("min_tokens_above_state", "read_alone"), [(None, False), (1, False), (0, True)]
+    ("grid_below_state", "min_tokens_above_state", "read_alone"),
+    [(0, 0, False), (1, 0, True), (1, 1, False), (1, None, False)],
 )
-def test_a_state_is_read_alone_from_the_configured_length(
-    make_checkpoint, min_tokens_above_state, read_alone
+def test_a_state_is_read_alone_where_longer_than_the_grid_and_the_set_length(
+    make_checkpoint, grid_below_state, min_tokens_above_state, read_alone
 ):
     path = make_checkpoint(weights=False)
     probe, probe_engine = make_strategy(path)
     read(probe, "one state")
     s = probe_engine.reads[0][1].extra_kwargs["d3_state_tokens"]
-    # None: the key left out, its default far above this state's length.
+    # None: d3_state_cache_min_tokens left out, its default far above s.
     min_tokens = None if min_tokens_above_state is None else s + min_tokens_above_state
     strategy, engine = make_strategy(
-        path, cache_grid=16, state_cache_min_tokens=min_tokens
+        path, cache_grid=s - grid_below_state, state_cache_min_tokens=min_tokens
     )
     read(strategy, "one state")
     questions = [f"t-{n}" for n in range(len(QUESTIONS))]
-    assert s > 16
     assert engine.request_ids == (["t-state"] if read_alone else []) + questions
 
 
