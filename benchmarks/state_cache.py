@@ -177,13 +177,13 @@ def answers_part(args: argparse.Namespace, checkpoint: str, per_token: float) ->
     log("answers: uncached")
     # Every state longer than a block read alone, the sets' short ones too,
     # so that each pass's hits are the ones under test.
-    every_state = json.dumps({STATE_CACHE_MIN_TOKENS_KEY: 0})
+    cached_args = {
+        "additional_config": json.dumps({STATE_CACHE_MIN_TOKENS_KEY: 0}),
+        "kv_cache_memory_bytes": CACHED_KV_CACHE_BYTES,
+    }
     flags = [
         "--enable-prefix-caching",
-        *server_flags(not args.quick, {"additional_config": every_state}, []),
-        "--kv-cache-memory-bytes",
-        str(CACHED_KV_CACHE_BYTES),
-        *args.serve_arg,
+        *server_flags(not args.quick, cached_args, args.serve_arg),
     ]
     log_file = args.out / "serve-cached.log"
     passes: dict[str, Any] = {}
