@@ -1,15 +1,15 @@
-"""``vllm-d3``: the package's command line.
+"""``vllm-d3``: the package's command line (``vllm serve`` loads the plugin
+itself; these commands show it, document it and export it).
 
-``vllm-d3 demo`` shows the main job in one command. It builds (once, into a cache
-directory) a tiny ``prefix_bidir`` D3 checkpoint with the factory, serves it with
-``vllm serve`` on loopback (``vllm_d3.testing.server.Server``, whose only flag is
-``--gdn-prefill-backend triton``: a vLLM install without FlashInfer's GDN
-kernels needs it), sends one /v1/systemone request (a
-text state with a noul, a choice and a score question), prints vLLM's answers
-next to the reference runtime's, shuts the server down, and exits 1 if an answer
-differs by more than the tolerance. ``--model`` serves a real checkpoint (a path
-or hub id) the same way. On a machine without a CUDA GPU it says so in one line
-and prints the reference runtime's answers alone: vLLM never runs there.
+``vllm-d3 demo`` shows the main job in one command. It builds (once, into a
+cache directory) a tiny ``prefix_bidir`` D3 checkpoint with the factory, serves
+it with ``vllm serve`` on loopback (``vllm_d3.testing.server.Server``), sends
+one /v1/systemone request (a text state with a noul, a choice and a score
+question), prints vLLM's answers next to the reference runtime's, shuts the
+server down, and exits 1 if an answer differs by more than the tolerance.
+``--model`` serves a real checkpoint (a path or hub id) the same way. On a
+machine without a CUDA GPU it says so in one line and prints the reference
+runtime's answers alone: vLLM never runs there.
 """
 
 import argparse
@@ -168,12 +168,31 @@ def export_patches(args: argparse.Namespace) -> int:
     return 0
 
 
+def options() -> int:
+    """Print every option of the plugin (``vllm_d3.options``)."""
+    from vllm_d3.options import table
+
+    print(table(), end="")
+    return 0
+
+
+DESCRIPTION = (
+    "Serve Decision 3.0 prefix_bidir checkpoints with vLLM 0.33.0 on "
+    "/v1/systemone. The package is a plugin that `vllm serve` loads by itself; "
+    "these commands show it working, list its options and export it as an "
+    "upstream patch series."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="vllm-d3", description=__doc__.splitlines()[0]
+    parser = argparse.ArgumentParser(prog="vllm-d3", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo_help = (
+        "serve a D3 checkpoint (by default a tiny prefix_bidir one, built once) "
+        "with vllm serve, ask /v1/systemone once and compare the answers with "
+        "the reference runtime's (without a CUDA GPU: the reference's alone)"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo_parser = sub.add_parser("demo", help="serve a D3 checkpoint and ask it once")
+    demo_parser = sub.add_parser("demo", help=demo_help, description=demo_help)
     demo_parser.add_argument("--model", help="a D3 checkpoint (path or hub id)")
     demo_parser.add_argument("--cache-dir", help="where the tiny checkpoint is built")
     demo_parser.add_argument(
@@ -184,8 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument(
         "--no-reference", action="store_true", help="skip the reference comparison"
     )
+    options_help = (
+        "print every option (--additional-config keys, request fields, "
+        "environment variables, the vLLM defaults the plugin changes) with its "
+        "default and what it does, as a Markdown table"
+    )
+    sub.add_parser("options", help=options_help, description=options_help)
+    export_help = (
+        "write the plugin's changes as an upstream patch series against vLLM "
+        "0.33.0 (git format-patch, for git am)"
+    )
     export_parser = sub.add_parser(
-        "export-patches", help="write the upstream patch series (git format-patch)"
+        "export-patches", help=export_help, description=export_help
     )
     export_parser.add_argument("--out", required=True, help="where the patches go")
     export_parser.add_argument(
@@ -201,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "export-patches":
         return export_patches(args)
+    if args.command == "options":
+        return options()
     args.serve_args = args.serve_args.split()
     started = time.time()
     code = demo(args)

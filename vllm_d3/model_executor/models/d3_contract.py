@@ -3,12 +3,13 @@
 """Decision 3.0's ``decision_config.json`` rules and the state-size contract.
 
 Functions over a checkpoint's ``decision_config.json`` (a dict) and the
-plugin's ``--additional-config`` switches, shared by the config hook
-(start-up), the read strategy (API server) and the worker: the declared
-attention mode, ``validated_length``, prompt layout and d3-ultra temperature
-schedule; the engine options prefix_bidir refuses; the ``d3_state_tokens``
-and ``d3_question_ends`` a request carries, and ``StateBlock``, the worker's
-one home for the blocks and ranges they give. Every malformed value raises
+plugin's switches and request fields (each declared once, an ``Option`` with
+its default and effect), shared by the config hook (start-up), the read
+strategy (API server) and the worker: the declared attention mode,
+``validated_length``, prompt layout and d3-ultra temperature schedule; the
+engine options prefix_bidir refuses; the ``d3_state_tokens`` and
+``d3_question_ends`` a request carries, and ``StateBlock``, the worker's one
+home for the blocks and ranges they give. Every malformed value raises
 ``ValueError`` naming the field and the value; nothing is ignored or clamped.
 """
 
@@ -27,27 +28,80 @@ logger = init_logger(f"vllm.{__name__}")
 
 PREFIX_BIDIR = "prefix_bidir"
 ATTENTION_MODES = ("causal", "noncausal_full_attention", PREFIX_BIDIR)
-#: The PoolingParams.extra_kwargs key carrying a request's state block size.
-STATE_TOKENS_KEY = "d3_state_tokens"
-#: The PoolingParams.extra_kwargs key carrying where each question block of a
-#: packed prompt (``state || q1 || ... || qQ``) ends.
-QUESTION_ENDS_KEY = "d3_question_ends"
-#: The ``--additional-config`` key that turns reading the state once off
-#: (``false``: one engine request per question).
-STATE_ONCE_KEY = "d3_state_once"
-#: The ``--additional-config`` key that sets the shortest state the state
-#: cache reads alone first (a step of its own), so that a later request with
-#: the same state finds it cached, and its default. Every request whose state
-#: is never asked again pays that step (on an H100 0.10 s more for a 64K-token
-#: state, 0.15 s for an 892-token one); a repeat saves the state's own compute
-#: (docs/state-cache.md).
-STATE_CACHE_MIN_TOKENS_KEY = "d3_state_cache_min_tokens"
-STATE_CACHE_MIN_TOKENS = 8192
-#: ``--additional-config`` key that forces the dense-piece attention's kernel.
-ATTENTION_KERNEL_KEY = "d3_attention_kernel"
+
+
+@dataclass(frozen=True)
+class Option:
+    """A setting the plugin reads, declared once: its name as the user writes
+    it, where it is given (``where``), its default and what it does."""
+
+    name: str
+    where: str
+    default: Any
+    effect: str
+
+
+#: ``Option.where``: the JSON of ``--additional-config``, a field of a pooling
+#: request (and ``PoolingParams.extra_kwargs``), an environment variable.
+ADDITIONAL_CONFIG = "--additional-config"
+REQUEST_FIELD = "request field"
+ENVIRONMENT = "environment"
+
 #: Its values besides a kernel's name: the platform's choice, or vLLM's ranged
 #: attention with one engine request per question.
 AUTO_KERNEL, RANGED_KERNEL = "auto", "ranged"
+ATTENTION_KERNEL_OPTION = Option(
+    "d3_attention_kernel",
+    ADDITIONAL_CONFIG,
+    AUTO_KERNEL,
+    "The kernel of the full-attention layers' dense state and question "
+    "pieces. `auto`: the GPU family's first kernel that runs; `fa3`, `fa2`, "
+    "`torch_flash` or `triton` force one (start-up stops if it cannot run "
+    "here or fails its check); `ranged`: vLLM's ranged attention, one engine "
+    "request per question.",
+)
+STATE_ONCE_OPTION = Option(
+    "d3_state_once",
+    ADDITIONAL_CONFIG,
+    True,
+    "Where the dense pieces serve, `/v1/systemone` packs a request's questions "
+    "after one copy of its state, one engine request. `false`: one engine "
+    "request per question, each reading the state again.",
+)
+STATE_CACHE_MIN_TOKENS_OPTION = Option(
+    "d3_state_cache_min_tokens",
+    ADDITIONAL_CONFIG,
+    8192,
+    "With prefix caching on, a state of at least this many tokens (and longer "
+    "than one cache block) is read alone first, its questions sent right "
+    "behind it, so that a later request with the same state finds it cached. "
+    "A shorter state is read with its questions. 0: every state longer than a "
+    "block.",
+)
+STATE_TOKENS_OPTION = Option(
+    "d3_state_tokens",
+    REQUEST_FIELD,
+    None,
+    "`/classify` and `/pooling` (or `PoolingParams.extra_kwargs` offline): the "
+    "number of leading prompt tokens that are the state block, an int, or a "
+    "list with one per input. A prefix_bidir model needs it; `/v1/systemone` "
+    "counts it itself.",
+)
+QUESTION_ENDS_OPTION = Option(
+    "d3_question_ends",
+    REQUEST_FIELD,
+    None,
+    "`PoolingParams.extra_kwargs`: where each question block of a packed "
+    "prompt (a state, then its questions) ends, increasing to the prompt's "
+    "length. Without it the prompt is one question; more than one end needs "
+    "`d3_state_once`.",
+)
+STATE_TOKENS_KEY = STATE_TOKENS_OPTION.name
+QUESTION_ENDS_KEY = QUESTION_ENDS_OPTION.name
+STATE_ONCE_KEY = STATE_ONCE_OPTION.name
+STATE_CACHE_MIN_TOKENS_KEY = STATE_CACHE_MIN_TOKENS_OPTION.name
+STATE_CACHE_MIN_TOKENS: int = STATE_CACHE_MIN_TOKENS_OPTION.default
+ATTENTION_KERNEL_KEY = ATTENTION_KERNEL_OPTION.name
 #: Where the config hook writes what it decided for the engine, under the two
 #: switches' keys (the kernel, ``ranged`` for none; whether the state is read
 #: once); the user's switches stay as given.
@@ -272,7 +326,7 @@ def state_once_of(additional_config: Any) -> bool:
     """``additional_config["d3_state_once"]``: a bool, true when absent."""
     if not isinstance(additional_config, Mapping):
         return True
-    value = additional_config.get(STATE_ONCE_KEY, True)
+    value = additional_config.get(STATE_ONCE_KEY, STATE_ONCE_OPTION.default)
     if not isinstance(value, bool):
         raise ValueError(
             f"--additional-config {STATE_ONCE_KEY} must be true or false, not {value!r}"
@@ -299,7 +353,7 @@ def attention_kernel_of(additional_config: Any, kernels: tuple[str, ...]) -> str
     ``auto`` (also when absent) or ``ranged``."""
     if not isinstance(additional_config, Mapping):
         return AUTO_KERNEL
-    value = additional_config.get(ATTENTION_KERNEL_KEY, AUTO_KERNEL)
+    value = additional_config.get(ATTENTION_KERNEL_KEY, ATTENTION_KERNEL_OPTION.default)
     choices = (AUTO_KERNEL, *kernels, RANGED_KERNEL)
     if value not in choices:
         raise ValueError(

@@ -42,6 +42,8 @@ from vllm.logger import init_logger
 from vllm.multimodal.image import open_image
 from vllm.multimodal.media.image import ImageMediaIO
 
+from vllm_d3.model_executor.models.d3_contract import ENVIRONMENT, Option
+
 # The one home of the choice: clients of this module (the validation, the
 # tests) compress with the same zstd.
 if sys.version_info >= (3, 14):
@@ -52,11 +54,18 @@ else:
 logger = init_logger(f"vllm.{__name__}")
 
 ROUTE = "/v1/systemone"
-#: The environment variable that caps a decoded body, in bytes, and its default
-#: (the default of VLLM_HTTP_MAX_REQUEST_BODY_SIZE, which only vLLM's Rust front
-#: end enforces).
-MAX_BODY_BYTES_ENV = "VLLM_D3_MAX_BODY_BYTES"
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+#: The cap on a decoded body; its default is that of
+#: VLLM_HTTP_MAX_REQUEST_BODY_SIZE, which only vLLM's Rust front end enforces.
+MAX_BODY_BYTES_OPTION = Option(
+    "VLLM_D3_MAX_BODY_BYTES",
+    ENVIRONMENT,
+    32 * 1024 * 1024,
+    "The largest `/v1/systemone` body once decoded (zstd, gzip or a multipart "
+    "form), in bytes (32 MiB by default). A body past it is a 413, refused "
+    "before the rest is decompressed.",
+)
+MAX_BODY_BYTES_ENV = MAX_BODY_BYTES_OPTION.name
+DEFAULT_MAX_BODY_BYTES: int = MAX_BODY_BYTES_OPTION.default
 IDENTITY = "identity"
 #: Content-Encoding -> (a new incremental decompressor, the error it raises).
 DECOMPRESSORS: dict[str, tuple[Callable[[], Any], type[Exception]]] = {
