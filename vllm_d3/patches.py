@@ -1,24 +1,12 @@
-"""The plugin's five patches of vLLM functions; ``apply`` is idempotent. All
-but the third are no-ops unless the served model is a D3 ``prefix_bidir``
-checkpoint. (Each Gated DeltaNet layer's ``_forward_core`` is also replaced, on
-its instance: ``model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``.)
-
-1. ``PoolingIOProcessor.create_pooling_params``: ``/classify`` and ``/pooling``
-   carry the request field ``d3_state_tokens`` into ``extra_kwargs``
-   (``with_state_tokens``; one params per input for a list).
-2. ``InputProcessor.process_inputs``: every request of every entry point is
-   checked with its final prompt (``check_state_blocks``): a missing or invalid
-   ``d3_state_tokens`` or ``d3_question_ends`` is a 400 naming the field; with
-   prefix caching it is then keyed by its whole state (``key_state_block``).
-3. ``init_entrypoints_middleware`` as ``entrypoints/launchers/app.py`` names it:
-   ``SystemOneBodyMiddleware`` goes ahead of vLLM's own middleware, so that
-   /v1/systemone gets plain JSON.
-4. ``VllmConfig.validate_block_size``: with the state cache, align mode's
-   demand for chunked media input (which CUDA and ROCm turn off for a
-   prefix-LM model) does not apply (``serves_state_cache``).
-5. ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args``: an
-   unset ``--enable-prefix-caching`` is on (``state_cache_by_default``).
-
+"""The plugin's five patches of vLLM functions (``PATCHES``); ``apply`` is
+idempotent. All but the middleware's are no-ops unless the served model is a
+D3 ``prefix_bidir`` checkpoint: ``/classify`` and ``/pooling`` carry
+``d3_state_tokens``; every request is checked (and, with prefix caching, keyed
+by its whole state) in the input processor; /v1/systemone's body middleware
+goes ahead of vLLM's; with the state cache, align mode's demand for chunked
+media input is waived and an unset ``--enable-prefix-caching`` is on. Each
+wrapper says what it changes. (Each Gated DeltaNet layer's ``_forward_core``
+is also replaced, on its instance: ``qwen_gdn_linear_attn.py``.)
 docs/upstream.md says why no hook reaches them.
 """
 
@@ -52,6 +40,10 @@ _MARK = "__vllm_d3_patch__"
 
 
 def _wrap_create_pooling_params(original: Callable) -> Callable:
+    """``PoolingIOProcessor.create_pooling_params``: ``/classify`` and
+    ``/pooling`` carry the request field ``d3_state_tokens`` into
+    ``extra_kwargs`` (``with_state_tokens``; one params per input for a list)."""
+
     @wraps(original)
     def create_pooling_params(self: PoolingIOProcessor, request: Any) -> Any:
         return with_state_tokens(self.model_config, request, original(self, request))
@@ -60,6 +52,11 @@ def _wrap_create_pooling_params(original: Callable) -> Callable:
 
 
 def _wrap_process_inputs(original: Callable) -> Callable:
+    """``InputProcessor.process_inputs``: every request of every entry point is
+    checked with its final prompt (``check_state_blocks``: a missing or invalid
+    ``d3_state_tokens`` or ``d3_question_ends`` is a 400 naming the field); with
+    prefix caching it is then keyed by its whole state (``key_state_block``)."""
+
     @wraps(original)
     def process_inputs(self: InputProcessor, *args: Any, **kwargs: Any) -> Any:
         request = original(self, *args, **kwargs)
@@ -71,6 +68,10 @@ def _wrap_process_inputs(original: Callable) -> Callable:
 
 
 def _wrap_init_entrypoints_middleware(original: Callable) -> Callable:
+    """``init_entrypoints_middleware``, as ``entrypoints/launchers/app.py``
+    names it: ``SystemOneBodyMiddleware`` goes ahead of vLLM's own middleware,
+    so that /v1/systemone gets plain JSON."""
+
     @wraps(original)
     def init_entrypoints_middleware(
         args: Namespace, app: FastAPI, supported_tasks: tuple[Any, ...]
@@ -83,6 +84,10 @@ def _wrap_init_entrypoints_middleware(original: Callable) -> Callable:
 
 
 def _wrap_validate_block_size(original: Callable) -> Callable:
+    """``VllmConfig.validate_block_size``: with the state cache, align mode's
+    demand for chunked media input (which CUDA and ROCm turn off for a
+    prefix-LM model) does not apply (``serves_state_cache``)."""
+
     @wraps(original)
     def validate_block_size(self: VllmConfig) -> None:
         if not serves_state_cache(self):
@@ -102,6 +107,9 @@ def _wrap_validate_block_size(original: Callable) -> Callable:
 
 
 def _wrap_set_default_prefix_caching(original: Callable) -> Callable:
+    """``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args``: an
+    unset ``--enable-prefix-caching`` is on (``state_cache_by_default``)."""
+
     @wraps(original)
     def set_defaults(self: EngineArgs, model_config: ModelConfig) -> None:
         unset = self.enable_prefix_caching is None

@@ -1,19 +1,16 @@
 """The upstream patch series, generated from this package
 (``vllm-d3 export-patches``; docs/upstream.md).
 
-``series.SERIES`` lists the commits in a reviewer's order. Each ``Patch`` has
-a title, a message, its changes (applied in order to the tree the previous
-ones left: a ``NewFile`` is a module of this package written whole at the
-upstream path it mirrors, its ``vllm_d3`` imports and logger name read as
-vLLM's, less what a later commit's diff changes in it; a ``Diff`` a diff of
-vLLM's own files, or of one an earlier commit added, in ``edits/``; ``backports`` the
-modules that give the plugin an edit's hook), the CPU tests it makes pass
-in-tree and a control that fails on vLLM as released. ``export_series``
-commits them over a vLLM repository and writes them with ``git format-patch``;
-``patched_tree`` makes a runnable copy of the installed vLLM with them applied;
-``in_tree_modules`` and ``in_tree_test_args`` serve the in-tree test run
-(``tests/conftest.py``). A 0.33.x release whose lines moved under a diff stops
-the export (``ExportError``).
+``series.SERIES`` lists the commits in a reviewer's order, each a ``Patch``:
+its title, message, changes (``NewFile``: a module of this package written
+whole at the upstream path it mirrors; ``Diff``: a diff of vLLM's files in
+``edits/``), the CPU tests it makes pass in-tree and a control that fails on
+vLLM as released. ``export_series`` commits them over a vLLM repository and
+writes them with ``git format-patch``; ``patched_tree`` makes a runnable copy
+of the installed vLLM with them applied; ``in_tree_modules`` and
+``in_tree_test_args`` serve the in-tree test run (``tests/conftest.py``). A
+0.33.x release whose lines moved under a diff stops the export
+(``ExportError``).
 """
 
 from __future__ import annotations
@@ -84,6 +81,11 @@ class Diff:
 
 @dataclass(frozen=True)
 class Patch:
+    """One commit of the series. Its changes apply in order to the tree the
+    previous commits left: a ``NewFile`` with its ``vllm_d3`` imports and
+    logger name read as vLLM's, less what a later commit's diff changes in it;
+    a ``Diff`` of vLLM's own files, or of one an earlier commit added."""
+
     title: str
     body: str
     changes: tuple[NewFile | Diff, ...]

@@ -3,19 +3,15 @@
 """The D3 entry of ``MODELS_CONFIG_MAP``
 (upstream: ``model_executor/models/config.py``).
 
-``D3ForSequenceClassificationConfig`` extends 0.33.0's class of the same name.
+``D3ForSequenceClassificationConfig`` extends 0.33.0's class of the same name:
 ``causal`` and ``noncausal_full_attention`` go through 0.33.0's contract
-unchanged. ``prefix_bidir`` goes through it as a causal checkpoint (the text
-layers stay decoder attention, reading per-request PrefixLM ranges), then the
-model is marked non-causal so that vLLM defaults chunked prefill and prefix
-caching to off (``state_cache_by_default`` turns prefix caching back on);
-``validated_length`` becomes ``max_model_len`` where the user gave
-none, and the d3-ultra fields are checked (``d3_contract``). At the
-``VllmConfig`` level a prefix_bidir checkpoint refuses what it cannot be
-served with (``check_prefix_bidir_serving``), then ``select_prefix_bidir_serving``
-(``d3_serving``) picks its attention, its reads and its GDN prefill kernel,
-and prefix caching, on by default, is served as its state cache
-(``d3_state_cache``, with the plugin's scheduler).
+unchanged; ``prefix_bidir`` goes through it as a causal checkpoint, then the
+model is marked non-causal, ``validated_length`` becomes ``max_model_len``
+where the user gave none, and the d3-ultra fields are checked
+(``d3_contract``). At the ``VllmConfig`` level a prefix_bidir checkpoint
+refuses what it cannot be served with, then ``d3_serving`` picks its
+attention, reads and GDN prefill kernel, and ``d3_state_cache`` serves prefix
+caching (on by default) as its state cache, with the plugin's scheduler.
 """
 
 from typing import TYPE_CHECKING
@@ -46,6 +42,11 @@ logger = init_logger(f"vllm.{__name__}")
 class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConfig):
     @staticmethod
     def verify_and_update_model_config(model_config: "ModelConfig") -> None:
+        """0.33.0's contract; for prefix_bidir read as causal (the text layers
+        stay decoder attention, reading per-request PrefixLM ranges), the model
+        then marked non-causal so that vLLM defaults chunked prefill and prefix
+        caching to off (``state_cache_by_default`` turns prefix caching back
+        on). Then the new fields are checked and ``validated_length`` applied."""
         decision = decision_config_of(model_config.hf_config)
         if not is_prefix_bidir(decision):
             # 0.33.0's contract, which refuses a package without decision_config.
@@ -85,6 +86,10 @@ class D3ForSequenceClassificationConfig(upstream.D3ForSequenceClassificationConf
 
     @staticmethod
     def verify_and_update_config(vllm_config: "VllmConfig") -> None:
+        """For prefix_bidir: refuse what it cannot be served with
+        (``check_prefix_bidir_serving``), decide its serving
+        (``select_prefix_bidir_serving``) and its state cache
+        (``select_state_cache``, and the scheduler where it is on)."""
         upstream.D3ForSequenceClassificationConfig.verify_and_update_config(vllm_config)
         if not is_prefix_bidir(decision_config_of(vllm_config.model_config.hf_config)):
             return

@@ -8,16 +8,12 @@ more than one plain encode per question
 ``needs_state_block_reads`` holds (prefix_bidir, or d3-ultra's
 ``temperature_by_questions``), ``read`` hands its rendered engine inputs to
 ``read_state_blocks``, which returns each question's code logits and the
-tokens the engine computed and took from the prefix cache for it. For
-prefix_bidir every prompt must share its state block (``state_tokens``); with
-state once (the config hook's decision) the questions go packed into as few
-engine requests as one step holds (``_plan``), otherwise one encode per
-question carries the state size. With prefix caching (every engine request
-keyed by its whole state in the input processor), a state longer than the
-cache's grid and of at least ``d3_state_cache_min_tokens`` is also read
-alone, once for the reads of it in flight, sent
-right before the questions' requests, which find the blocks vLLM caches as
-it schedules the read (``docs/state-cache.md``).
+tokens the engine computed and took from the prefix cache for it. Every
+prefix_bidir prompt of a request shares its state block (``state_tokens``);
+with state once the questions go packed into as few engine requests as one
+step holds (``_plan``), otherwise one encode per question carries the state
+size. With prefix caching a long state is also read alone first
+(``read_state_blocks``).
 """
 
 import asyncio
@@ -309,13 +305,17 @@ class D3StateBlockReads:
         **encode_kwargs: Any,
     ) -> tuple[list[torch.Tensor], list[QuestionTokens]]:
         """Each question's code logits (a row of its engine request's output)
-        and usage."""
+        and usage. With prefix caching (every engine request keyed by its whole
+        state in the input processor), a state longer than the cache's grid and
+        of at least ``d3_state_cache_min_tokens`` is also read alone, once for
+        the reads of it in flight, sent right before the questions' requests,
+        which find the blocks vLLM caches as it schedules the read."""
         reads, state_read = self._plan(
             engine_inputs, params, questions, state, media, request_id
         )
         usage = [QuestionTokens(0, 0) for _ in questions]
         # Sent first; its questions right behind it, not once it ended: in
-        # between, other states' reads could evict it (docs/state-cache.md).
+        # between, other states' reads could evict it (docs/design.md).
         alone = (
             None if state_read is None else self._read_alone(state_read, encode_kwargs)
         )

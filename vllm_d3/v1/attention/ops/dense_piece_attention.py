@@ -176,8 +176,8 @@ def _dense_piece_kernel(
     )  # fmt: skip
 
 
-#: (BLOCK_M, BLOCK_N, num_warps, num_stages), fastest first at head_dim 256 on
-#: an H200 (459, 346 and 325 TFLOP/s at 64K keys; the last one was not timed).
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages), fastest first at head_dim 256 where
+#: they were timed (docs/performance.md); smaller tiles for less shared memory.
 TILES = ((128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (64, 32, 4, 1))
 
 
