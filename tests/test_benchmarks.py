@@ -814,7 +814,7 @@ STARTUP_LOGS = [
         id="autotuned",
     ),
     pytest.param(
-        "h200-startup-131072-serve-prefix_bidir-cold.log",
+        "archive/h200-startup-131072-serve-prefix_bidir-cold.log",
         {
             "model loading": 5.214287,
             "torch.compile": 42.13,
@@ -832,7 +832,7 @@ STARTUP_LOGS = [
         id="cold, graphs captured twice",
     ),
     pytest.param(
-        "h200-one-scan-serve-default.log",
+        "archive/h200-one-scan-serve-default.log",
         {
             "model loading": 7.288321,
             "torch.compile": 52.6,
