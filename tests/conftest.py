@@ -95,9 +95,9 @@ def hopper(monkeypatch):
     """A Hopper GPU with vLLM's FlashAttention 3, where the dense-piece kernels
     were validated (no start-up check)."""
     from vllm_d3.testing.platforms import fake_gpu
-    from vllm_d3.v1.attention.backends import d3_dense_kernels
+    from vllm_d3.v1.attention.backends import d3_kernel_check
 
     fake_gpu(monkeypatch, "Hopper")
     monkeypatch.setattr(
-        d3_dense_kernels, "check_kernels", lambda names: pytest.fail("checked")
+        d3_kernel_check, "check_kernels", lambda names: pytest.fail("checked")
     )

@@ -9,14 +9,9 @@ the log-sum-exp ``(heads, total_q)``: ``fa3`` and ``fa2`` (vLLM's
 FlashAttention), ``torch_flash`` (PyTorch's; AOTriton on ROCm) and ``triton``
 (``ops/dense_piece_attention.py``). ``platform_kernels`` lists a GPU family's
 candidates present (``DEFAULT_KERNELS``); off ``VALIDATED_FAMILY`` the config
-hook has ``check_kernels`` run them first, in a process of its own
-(``python -m vllm_d3.v1.attention.backends.d3_dense_kernels KERNEL...`` prints
-the first that passes and why the others failed).
+hook has each checked first (``d3_kernel_check``).
 """
 
-import json
-import subprocess
-import sys
 from collections.abc import Callable
 
 import torch
@@ -49,10 +44,6 @@ DEFAULT_KERNELS = {
 KERNEL_NAMES = ("fa3", "fa2", "torch_flash", "triton")
 #: The family every kernel was validated on, end to end, with this package.
 VALIDATED_FAMILY = "Hopper"
-#: How long a start-up check may take (Triton compiles its kernel in it).
-CHECK_TIMEOUT_S = 300
-#: The check's bound on |dense - float32 masked attention| (bf16 outputs).
-CHECK_TOLERANCE = 2e-2
 
 
 def platform_family() -> str | None:
@@ -166,40 +157,3 @@ def dense_kernel(name: str) -> DenseKernel:
         "triton": _triton_attention,
     }
     return kernels[name]
-
-
-def check_kernels(names: list[str]) -> tuple[str | None, list[str]]:
-    """The first of ``names`` whose check passes on this machine's GPU, and why
-    each one before it failed (module docstring); None if none passes."""
-    command = [sys.executable, "-m", __name__, *names]
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired:
-        return None, [f"the check took more than {CHECK_TIMEOUT_S} s"]
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return None, [f"the check process failed ({tail})"]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    return result["passed"], result["failures"]
-
-
-def _check_in_this_process(names: list[str]) -> tuple[str | None, list[str]]:
-    from vllm_d3.v1.attention.backends.d3_prefix_bidir import check_dense_kernel
-
-    failures: list[str] = []
-    for name in names:
-        try:
-            error = check_dense_kernel(name)
-        except Exception as e:  # any failure of an unverified kernel is a no
-            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
-        if error is None:
-            return name, failures
-        failures.append(f"{name}: {error}")
-    return None, failures
-
-
-if __name__ == "__main__":
-    passed, failures = _check_in_this_process(sys.argv[1:])
-    print(json.dumps({"passed": passed, "failures": failures}))

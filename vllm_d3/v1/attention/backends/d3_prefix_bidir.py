@@ -4,18 +4,16 @@
 (upstream: ``v1/attention/backends/d3_prefix_bidir.py``, a new file).
 
 A prefix_bidir row's ranges (``mm_req_doc_ranges``) are its state, then one
-block per question; a row is computed to its end in one step (no scheduler of
-prefix_bidir cuts one; a prefix-cache hit lies inside the state), so its mask is two
-passes of non-causal attention over the row's keys: every range over itself,
-and each row's question rows over its state, merged by log-sum-exp. The keys
-are the step's own, and where a row's first tokens came from the prefix
-cache, theirs from the paged cache (``CachedKeys``, gathered by
-``with_cached_keys``). ``dense_pieces`` finds the passes (None where a batch
-has none: a row split across steps, a causal row), the
-composite ``D3PrefixBidirAttentionBackend`` runs them on the kernel the config
-hook chose (``d3_dense_kernels``) and anything else on vLLM's ranged Triton;
-a packed row there is refused (``PackedRowError``). ``check_dense_kernel`` is
-a kernel's start-up check against a float32 masked attention.
+block per question; a row is computed to its end in one step, so its mask is
+two passes of non-causal attention over the row's keys: every range over
+itself, and each row's question rows over its state, merged by log-sum-exp.
+The keys are the step's own, and after a prefix-cache hit inside the state,
+theirs from the paged cache (``CachedKeys``, ``with_cached_keys``).
+``dense_pieces`` finds the passes (None where a batch has none: a row split
+across steps, a causal row); the composite ``D3PrefixBidirAttentionBackend``
+runs them on the kernel the config hook chose (``d3_dense_kernels``) and
+anything else on vLLM's ranged Triton, where a packed row is refused
+(``PackedRowError``).
 """
 
 from collections.abc import Sequence
@@ -46,11 +44,7 @@ from vllm_d3.model_executor.models.d3_contract import (
     StateBlock,
     decided,
 )
-from vllm_d3.v1.attention.backends.d3_dense_kernels import (
-    CHECK_TOLERANCE,
-    DenseKernel,
-    dense_kernel,
-)
+from vllm_d3.v1.attention.backends.d3_dense_kernels import DenseKernel, dense_kernel
 
 #: The backend's name in logs.
 BACKEND_NAME = "D3_PREFIX_BIDIR"
@@ -491,18 +485,6 @@ D3PrefixBidirAttentionBackend = create_composite_attention_backend(
     routing_policy=DensePieceRouting,
 )
 
-#: The start-up check's batches: a packed row, a prompt that is all state and
-#: one question that spans several key tiles; then rows of one question token
-#: each (the state pass's query bound would then be 1, ``Pass``).
-CHECK_BATCHES = (
-    (
-        StateBlock(100, 230, (140, 153, 230)),
-        StateBlock(37, 37, ()),
-        StateBlock(200, 470, (470,)),
-    ),
-    (StateBlock(30, 31, (31,)), StateBlock(7, 8, (8,))),
-)
-
 
 def step_metadata(
     rows: Sequence[StateBlock], device: torch.device
@@ -525,60 +507,3 @@ def step_metadata(
         slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64),
         mm_req_doc_ranges={index: row.ranges() for index, row in enumerate(rows)},
     )
-
-
-def check_dense_kernel(name: str, seed: int = 0) -> str | None:
-    """Run kernel ``name`` through ``run_dense_pieces`` on ``CHECK_BATCHES`` at
-    d3-turbo's head shape, on this process's GPU, against a float32 attention
-    with the mask written out; what is wrong, or None."""
-    for rows in CHECK_BATCHES:
-        if (error := _check_batch(name, rows, seed)) is not None:
-            return f"{error} ({len(rows)} rows, {rows})"
-    return None
-
-
-def _check_batch(name: str, rows: Sequence[StateBlock], seed: int) -> str | None:
-    device = torch.device("cuda")
-    heads, kv_heads, head_size = 24, 4, 256
-    generator = torch.Generator(device).manual_seed(seed)
-    common = step_metadata(rows, device)
-    tokens = common.num_actual_tokens
-
-    def draw(num_heads: int) -> torch.Tensor:
-        shape = (tokens, num_heads, head_size)
-        return torch.randn(shape, generator=generator, device=device).bfloat16()
-
-    query, key, value = draw(heads), draw(kv_heads), draw(kv_heads)
-    pieces = dense_pieces(common)
-    assert pieces is not None
-    output = torch.empty_like(query)
-    scale = head_size**-0.5
-    run_dense_pieces(
-        dense_kernel(name),
-        query,
-        key,
-        value,
-        D3DensePiecesMetadata.of(pieces, tokens, device),
-        scale,
-        output,
-    )
-    # The mask from its definition: a state query sees the state, a question
-    # query the state and its own block.
-    visible = torch.zeros(tokens, tokens, dtype=torch.bool, device=device)
-    for index, row in enumerate(rows):
-        first = int(common.query_start_loc_cpu[index])
-        visible[first : first + row.prompt_len, first : first + row.state_tokens] = True
-        for a, b in row.question_blocks():
-            visible[first + a : first + b, first + a : first + b] = True
-    group = heads // kv_heads
-    scores = torch.einsum(
-        "qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)
-    )
-    scores = (scores * scale).masked_fill(~visible, float("-inf"))
-    expected = torch.einsum(
-        "hqk,khd->qhd", scores.softmax(-1), value.float().repeat_interleave(group, 1)
-    )
-    error = (output.float() - expected).abs().max().item()
-    if not error <= CHECK_TOLERANCE:  # also catches NaN
-        return f"max |error| {error:.3g} against the float32 reference"
-    return None
