@@ -679,7 +679,7 @@ def test_a_tokenizer_that_merges_across_the_split_gets_whole_prompts(
     ]
 
 
-# The state cache's front end (docs/state-cache.md): the key the input
+# The state cache's front end (docs/design.md): the key the input
 # processor gives every engine request, the state read alone first, and the
 # usage the engine reports.
 

@@ -53,7 +53,7 @@ class D3Scheduler(Scheduler):
         if request_state_tokens(request) is not None:
             # Not at block boundaries: the Gated DeltaNet state the cache
             # needs is the one at the state block's last cacheable boundary,
-            # taken inside the step (docs/state-cache.md).
+            # taken inside the step (docs/design.md, "The state cache").
             return num_new_tokens
         return super()._mamba_block_aligned_split(
             request,
