@@ -67,7 +67,7 @@ VLLM_DEFAULTS = (
         "vLLM's choice",
         "The Gated DeltaNet prefill kernel: FlashInfer on Hopper (sm90) and "
         "Blackwell (sm100/sm120) where the checkpoint's GDN head dim is 128, "
-        "AITER FlyDSL on MI300-class ROCm, Triton/FLA elsewhere. The flag "
+        "AITER FlyDSL on ROCm gfx942 (CDNA 3), Triton/FLA elsewhere. The flag "
         "overrides it; the log names the kernel that serves.",
     ),
     Option(
