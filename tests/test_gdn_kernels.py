@@ -14,14 +14,12 @@ import sys
 import pytest
 import torch
 
-from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
-    STATE_REREAD_TOKENS_MAX,
-)
-from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import (
-    SPLIT_SEQUENCES_MAX,
-)
 from vllm_d3.testing.gdn_kernels import CACHE_SLOTS, ENVIRONMENT
 from vllm_d3.testing.model_runner import STEP
+from vllm_d3.v1.attention.backends.d3_packed_gdn import (
+    SPLIT_SEQUENCES_MAX,
+    STATE_REREAD_TOKENS_MAX,
+)
 
 # The plugin's wrapper of the layer is what runs; in-tree the series edits the
 # method itself, and the process of its own does not load the tree.
@@ -78,9 +76,9 @@ def own_prompts(step, first_slot: int):
 
 
 def draw_inputs(num_tokens: int, generator: torch.Generator):
-    # The tiny checkpoint's layer: 2 key and 4 value heads of 64, so a
-    # convolution over 2 x 128 + 256 channels.
-    mixed_qkv = torch.randn(num_tokens, 512, generator=generator)
+    # The tiny checkpoint's layer: 2 key and 4 value heads of 128, so a
+    # convolution over 2 x 256 + 512 channels.
+    mixed_qkv = torch.randn(num_tokens, 1024, generator=generator)
     b = torch.randn(num_tokens, 4, generator=generator)
     a = torch.randn(num_tokens, 4, generator=generator)
     return tuple(x.half() for x in (mixed_qkv, b, a))

@@ -18,6 +18,7 @@ from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.model_executor.layers.mamba.abstract import (
     get_mamba_prefill_checkpoint_alignment,
 )
+from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as vllm_gdn
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     QwenGatedDeltaNetAttention,
 )
@@ -29,18 +30,9 @@ from vllm.v1.worker.gpu import warmup as gpu_warmup
 from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 
-from vllm_d3.model_executor.layers.mamba.gdn import (
-    packed_questions,
-    qwen_gdn_linear_attn,
-    split_recurrence,
-)
+from vllm_d3.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
-    PackedGDNAttentionMetadata,
-    PackedRow,
     forward_packed_questions,
-    packed_gdn_metadata,
-    phase_a_checkpoints,
-    step_phases,
 )
 from vllm_d3.model_executor.models.d3 import D3ForSequenceClassification
 from vllm_d3.model_executor.models.d3_contract import StateBlock
@@ -60,6 +52,14 @@ from vllm_d3.testing.model_runner import (
     step_metadata,
     vllm_config_for,
 )
+from vllm_d3.v1.attention.backends import d3_packed_gdn
+from vllm_d3.v1.attention.backends.d3_packed_gdn import (
+    PackedGDNAttentionMetadata,
+    PackedRow,
+    packed_gdn_metadata,
+    phase_a_checkpoints,
+    step_phases,
+)
 from vllm_d3.v1.attention.backends.d3_prefix_bidir import (
     D3DensePiecesMetadata,
     D3PrefixBidirAttentionBackend,
@@ -74,18 +74,18 @@ pytestmark = pytest.mark.usefixtures("process_group")
 
 #: The rules as shipped; the tests below run packed steps in two phases unless
 #: they restore one.
-STATE_REREAD_TOKENS_MAX = packed_questions.STATE_REREAD_TOKENS_MAX
-SPLIT_SEQUENCES_MAX = split_recurrence.SPLIT_SEQUENCES_MAX
+STATE_REREAD_TOKENS_MAX = d3_packed_gdn.STATE_REREAD_TOKENS_MAX
+SPLIT_SEQUENCES_MAX = d3_packed_gdn.SPLIT_SEQUENCES_MAX
 
 
 @pytest.fixture(autouse=True)
 def two_phases(monkeypatch):
-    monkeypatch.setattr(packed_questions, "STATE_REREAD_TOKENS_MAX", 0)
-    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", 0)
+    monkeypatch.setattr(d3_packed_gdn, "STATE_REREAD_TOKENS_MAX", 0)
+    monkeypatch.setattr(d3_packed_gdn, "SPLIT_SEQUENCES_MAX", 0)
 
 
 def reread_small_steps(monkeypatch, tokens_max: int = STATE_REREAD_TOKENS_MAX):
-    monkeypatch.setattr(packed_questions, "STATE_REREAD_TOKENS_MAX", tokens_max)
+    monkeypatch.setattr(d3_packed_gdn, "STATE_REREAD_TOKENS_MAX", tokens_max)
 
 
 @pytest.mark.parametrize(
@@ -119,19 +119,31 @@ def test_model_state_resolution(make_checkpoint, mode, expected):
 
 
 @pytest.mark.parametrize(
-    ("mode", "cache_mode", "declared"),
-    [("prefix_bidir", "align", True), ("prefix_bidir", "none", False)]
+    ("mode", "cache_mode", "declared", "kernel"),
+    [
+        ("prefix_bidir", "align", True, None),
+        ("prefix_bidir", "none", False, None),
+        # FlashInfer's prefill (vLLM's on Hopper), whose own checkpoints come
+        # every 64 tokens: the scans write them at any token too.
+        ("prefix_bidir", "align", True, "flashinfer"),
+    ]
     # The control: 0.33.0's layers declare none on the Triton prefill.
-    + [("causal", "align", False)],
+    + [("causal", "align", False, None)],
 )
 def test_in_align_mode_the_gdn_layers_declare_prefill_checkpoints(
-    make_checkpoint, mode, cache_mode, declared
+    make_checkpoint, monkeypatch, mode, cache_mode, declared, kernel
 ):
+    if kernel is not None:
+        # vLLM resolves the layers' prefill kernel as on a GPU that has it.
+        monkeypatch.setattr(
+            vllm_gdn, "_resolve_gdn_prefill_backend", lambda config: ("auto", kernel)
+        )
     path = make_checkpoint(attention_mode=mode, weights=False)
     config = vllm_config_for(path, align_block=16 if cache_mode == "align" else None)
     model = build_model(D3ForSequenceClassification, config)
     layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
-    assert layers and all(layer.gdn_prefill_backend == "triton" for layer in layers)
+    expected = kernel or "triton"
+    assert layers and all(layer.gdn_prefill_backend == expected for layer in layers)
     with set_current_vllm_config(config):
         specs = [layer.get_kv_cache_spec(config) for layer in layers]
         alignment = get_mamba_prefill_checkpoint_alignment(config)
@@ -422,7 +434,7 @@ def test_a_packed_row_after_a_hit_reads_its_cached_keys(state):
 
 
 def test_phase_b_scans_a_bounded_number_of_questions_at_a_time(state, monkeypatch):
-    monkeypatch.setattr(packed_questions, "QUESTIONS_PER_SCAN", 2)
+    monkeypatch.setattr(d3_packed_gdn, "QUESTIONS_PER_SCAN", 2)
     _, scan, _ = step_metadata(state)
     # p's questions at batch tokens 15-19, 19-22, 22-30 (row slot 5); r's at
     # 36-40, 40-44 (slot 7): two at a time, the second scan across both rows.
@@ -488,7 +500,7 @@ def test_the_step_re_reads_its_states_within_both_bounds(
     # STEP re-reads p's 5-token state twice and r's 6-token state once (16
     # tokens) in six blocks: a's prompt, p's three questions, r's two.
     reread_small_steps(monkeypatch, tokens_max)
-    monkeypatch.setattr(packed_questions, "QUESTIONS_PER_SCAN", per_scan)
+    monkeypatch.setattr(d3_packed_gdn, "QUESTIONS_PER_SCAN", per_scan)
     _, scan, _ = step_metadata(state)
     assert (scan.phase_a is None) == one_scan
 
@@ -518,12 +530,17 @@ def test_the_log_says_which_packed_forms_serve(state, monkeypatch):
         if isinstance(m, QwenGatedDeltaNetAttention)
     ]
     assert model_states._one_pass_window(model_state.model) == 3
-    # One layer on another prefill takes the one pass off.
-    monkeypatch.setattr(layers[-1], "gdn_prefill_backend", "flashinfer")
+    # FlashInfer's prefill has a one pass of its own.
+    for layer in layers:
+        monkeypatch.setattr(layer, "gdn_prefill_backend", "flashinfer")
+    assert model_states._one_pass_window(model_state.model) == 3
+    # One layer on a prefill without one takes the one pass off.
+    monkeypatch.setattr(layers[-1], "gdn_prefill_backend", "aiter_flydsl")
     assert model_states._one_pass_window(model_state.model) is None
-    assert "runs in one pass where the step allows it" in logged[0]
-    assert "runs in two phases" in logged[1]
-    assert "the one pass needs every layer on the triton prefill" in logged[1]
+    assert "runs in one pass on the triton prefill where the step" in logged[0]
+    assert "runs in one pass on the flashinfer prefill where the step" in logged[1]
+    assert "runs in two phases" in logged[2]
+    assert "the aiter_flydsl/flashinfer prefill has no one pass" in logged[2]
 
 
 @pytest.mark.parametrize(
@@ -532,7 +549,7 @@ def test_the_log_says_which_packed_forms_serve(state, monkeypatch):
 def test_a_packed_step_on_fla_runs_in_one_pass(state, monkeypatch, reread_max):
     # Shipped, the step is small enough for one scan: the one pass goes first.
     reread_small_steps(monkeypatch, reread_max)
-    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
+    monkeypatch.setattr(d3_packed_gdn, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
     model_state, _ = state
     # The tiny checkpoint's layers prefill on FLA's rule, with a convolution
     # of 4 taps: a window of 3 inputs.
@@ -540,7 +557,7 @@ def test_a_packed_step_on_fla_runs_in_one_pass(state, monkeypatch, reread_max):
     model_state.add_request(0, new_request("p", 20, PACKED))
     model_state.add_request(1, new_request("a", 10, {"d3_state_tokens": 4}))
     _, scan, _ = hybrid_metadata(state, ["a", "p"], [10, 20], [3, 5])
-    assert isinstance(scan, split_recurrence.SplitGDNAttentionMetadata)
+    assert isinstance(scan, d3_packed_gdn.SplitGDNAttentionMetadata)
     # In batch order, each on its scratch slot: a whole, p's state (batch
     # tokens 10-14), then p's questions (15-18, 19-21, 22-29) after it.
     one_pass = scan.one_pass
@@ -558,6 +575,36 @@ def test_a_packed_step_on_fla_runs_in_one_pass(state, monkeypatch, reread_max):
     assert split.sources.tolist() == [1, 1, 1]
     # Each question's convolution window: the state's last 3 tokens.
     assert split.window_tokens.tolist() == [12, 13, 14] * 3
+    # FlashInfer's two launches: a and p's state (batch tokens 0-14), then
+    # p's questions (15-29), each from sequence 1 of the first launch.
+    states, questions = split.launches
+    assert (states.tokens, questions.tokens) == (slice(0, 15), slice(15, 30))
+    assert states.cu_seqlens.tolist() == [0, 10, 15]
+    assert questions.cu_seqlens.tolist() == [0, 4, 7, 15]
+    assert states.sequences.tolist() == [0, 1]
+    assert questions.sequences.tolist() == [2, 3, 4]
+    assert split.launch_sources.tolist() == [1, 1, 1]
+
+
+def test_two_launches_gather_rows_that_interleave(monkeypatch):
+    monkeypatch.setattr(d3_packed_gdn, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
+    # a whole, p's state and questions, r's state and questions: the states'
+    # launch skips p's questions, the questions' launch p's and r's states.
+    packed = [
+        PackedRow(1, 4, StateBlock(3, 9, (6, 9))),
+        PackedRow(2, 13, StateBlock(4, 10, (7, 10))),
+    ]
+    split = d3_packed_gdn.split_recurrence(
+        np.array([0, 4, 13, 23]), np.array([4, 9, 10]), packed, width=3, device=CPU
+    )
+    assert split is not None
+    states, questions = split.launches
+    assert states.tokens.tolist() == [0, 1, 2, 3, 4, 5, 6, 13, 14, 15, 16]
+    assert states.cu_seqlens.tolist() == [0, 4, 7, 11]
+    assert questions.tokens.tolist() == [7, 8, 9, 10, 11, 12, 17, 18, 19, 20, 21, 22]
+    assert questions.cu_seqlens.tolist() == [0, 3, 6, 9, 12]
+    # p's questions read the launch's sequence 1, r's its sequence 2.
+    assert split.launch_sources.tolist() == [1, 1, 2, 2]
 
 
 @pytest.mark.parametrize(
@@ -575,17 +622,17 @@ def test_a_packed_step_on_fla_runs_in_one_pass(state, monkeypatch, reread_max):
 def test_steps_the_one_pass_does_not_take_keep_two_phases(
     state, monkeypatch, step, sequences_max
 ):
-    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", sequences_max)
+    monkeypatch.setattr(d3_packed_gdn, "SPLIT_SEQUENCES_MAX", sequences_max)
     _, scan, _ = step_metadata(state, step)
-    assert isinstance(scan, packed_questions.PackedGDNAttentionMetadata)
+    assert isinstance(scan, d3_packed_gdn.PackedGDNAttentionMetadata)
     assert scan.phase_a is not None
 
 
 @pytest.mark.parametrize(
     ("form", "expected"),
     [
-        ("two phases", packed_questions.PackedGDNAttentionMetadata),
-        ("one pass", split_recurrence.SplitGDNAttentionMetadata),
+        ("two phases", d3_packed_gdn.PackedGDNAttentionMetadata),
+        ("one pass", d3_packed_gdn.SplitGDNAttentionMetadata),
     ],
 )
 def test_a_form_is_chosen_per_call_and_the_rules_restored(
@@ -593,20 +640,20 @@ def test_a_form_is_chosen_per_call_and_the_rules_restored(
 ):
     # The re-read rule at the fixture's 0, the one pass bounded below STEP's 8
     # sequences: "one pass" lifts the bound, "two phases" sets it to 0.
-    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", 7)
+    monkeypatch.setattr(d3_packed_gdn, "SPLIT_SEQUENCES_MAX", 7)
     with gdn_form(form):
         _, scan, _ = step_metadata(state)
     assert type(scan) is expected
-    assert packed_questions.STATE_REREAD_TOKENS_MAX == 0
-    assert split_recurrence.SPLIT_SEQUENCES_MAX == 7
+    assert d3_packed_gdn.STATE_REREAD_TOKENS_MAX == 0
+    assert d3_packed_gdn.SPLIT_SEQUENCES_MAX == 7
 
 
 def test_the_one_pass_needs_fresh_rows(monkeypatch):
-    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
+    monkeypatch.setattr(d3_packed_gdn, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
     block = StateBlock(5, 20, (9, 12, 20))
     packed = [PackedRow(1, 10, block)]
     query_start_loc = np.array([0, 10, 30])
-    plan = partial(split_recurrence.split_recurrence, width=3, device=CPU)
+    plan = partial(d3_packed_gdn.split_recurrence, width=3, device=CPU)
     assert plan(query_start_loc, np.array([10, 20]), packed) is not None
     # a's 10 tokens after 6 computed ones.
     assert plan(query_start_loc, np.array([16, 20]), packed) is None
@@ -692,7 +739,7 @@ def scan_step(
 def test_every_packed_question_restarts_from_its_own_state(
     state, monkeypatch, step, per_scan, reread
 ):
-    monkeypatch.setattr(packed_questions, "QUESTIONS_PER_SCAN", per_scan)
+    monkeypatch.setattr(d3_packed_gdn, "QUESTIONS_PER_SCAN", per_scan)
     if reread:
         reread_small_steps(monkeypatch)
     x, out = scan_step(state, restart=True, step=step)
@@ -875,7 +922,7 @@ def test_a_step_with_checkpoints_gets_its_scans_without_packed_rows(state, monke
     # tokens in, on slot 10. A step of plain rows then runs its Gated DeltaNet
     # in two phases that write it, even where the one pass is allowed; with no
     # checkpoint it keeps vLLM's own metadata.
-    monkeypatch.setattr(split_recurrence, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
+    monkeypatch.setattr(d3_packed_gdn, "SPLIT_SEQUENCES_MAX", SPLIT_SEQUENCES_MAX)
     plain = [("a", 10, {"d3_state_tokens": 4}, 3), ("b", 6, {"d3_state_tokens": 5}, 5)]
     model_state, _ = state
     _, unchanged, _ = step_metadata(state, plain)

@@ -248,21 +248,18 @@ def run_case(
         QwenGatedDeltaNetAttention,
     )
 
-    from vllm_d3.model_executor.layers.mamba.gdn import (
-        packed_questions,
-        split_recurrence,
-    )
     from vllm_d3.testing.model_runner import (
         cpu_model_state,
         step_metadata,
     )
+    from vllm_d3.v1.attention.backends import d3_packed_gdn
     from vllm_d3.v1.worker.gpu.model_states.d3_prefix_bidir import (
         D3PrefixBidirModelState,
     )
 
-    packed_questions.QUESTIONS_PER_SCAN = case["questions_per_scan"]
-    packed_questions.STATE_REREAD_TOKENS_MAX = case["state_reread_tokens_max"]
-    split_recurrence.SPLIT_SEQUENCES_MAX = case["split_sequences_max"]
+    d3_packed_gdn.QUESTIONS_PER_SCAN = case["questions_per_scan"]
+    d3_packed_gdn.STATE_REREAD_TOKENS_MAX = case["state_reread_tokens_max"]
+    d3_packed_gdn.SPLIT_SEQUENCES_MAX = case["split_sequences_max"]
     with cpu_model_state(
         D3PrefixBidirModelState, checkpoint, case.get("align_block")
     ) as state:
@@ -328,10 +325,8 @@ FORMS = ("one pass", "two phases", "one scan", "unpacked")
 
 
 def form_of(metadata: object) -> str:
-    from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
+    from vllm_d3.v1.attention.backends.d3_packed_gdn import (
         PackedGDNAttentionMetadata,
-    )
-    from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import (
         SplitGDNAttentionMetadata,
     )
 

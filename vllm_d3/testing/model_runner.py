@@ -308,7 +308,7 @@ class GivenCheckpoints:
     align mode's prefill checkpoints by block (and needs align mode's block
     tables): a build gets vLLM's checkpoint metadata for ``checkpoints``
     (row: (offset into its query, slot)). The plugin's own scans are built
-    with none (``packed_questions._on_slots``)."""
+    with none (``d3_packed_gdn._on_slots``)."""
 
     def __init__(self, checkpoints: dict[int, tuple[int, int]]) -> None:
         self.checkpoints = checkpoints

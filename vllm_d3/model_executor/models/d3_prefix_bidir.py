@@ -11,9 +11,9 @@ that reads a packed request (``state || q1 || ... || qQ``) out at the last
 token of every question block, ``Q * num_codes`` logits flat; every other
 request gets 0.33.0's readout at its last token. Its Gated DeltaNet layers
 restart each question from the state on their own
-(``layers/mamba/gdn/packed_questions.py``); in align mode on the Triton
-prefill, ``serve_prefix_bidir`` has each declare the prefill checkpoints the
-two phases write (``write_prefill_checkpoints``).
+(``layers/mamba/gdn/packed_questions.py``); in align mode on the Triton or
+FlashInfer prefill, ``serve_prefix_bidir`` has each declare the prefill
+checkpoints the two phases write (``write_prefill_checkpoints``).
 """
 
 from collections.abc import Set
@@ -109,7 +109,7 @@ class PackedReadoutPooler(Pooler):
 def serve_prefix_bidir(model: torch.nn.Module) -> None:
     """Give ``model`` (a D3 model of a prefix_bidir checkpoint) its model
     state and its per-question readout, and its Gated DeltaNet layers the
-    prefill checkpoints of align mode on the Triton prefill."""
+    prefill checkpoints of align mode (``write_prefill_checkpoints``)."""
     # An instance attribute: only prefix_bidir instances have the hook, so
     # vLLM resolves the other modes' model state as before.
     model.get_model_state_cls = _prefix_bidir_model_state_cls  # type: ignore[assignment]

@@ -38,25 +38,20 @@ from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.model_states.interface import ModelSpecificAttnMetadata
 from vllm.v1.worker.utils import AttentionGroup
 
-from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
-    GDNGroup,
-    PackedRow,
-    packed_gdn_metadata,
-    phase_a_checkpoints,
-    step_checkpoint_offsets,
-    step_phases,
-    step_state_slots,
-)
-from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import (
-    FLA_PREFILL_BACKEND,
-    split_gdn_metadata,
-    split_recurrence,
-)
+from vllm_d3.model_executor.layers.mamba.gdn.split_recurrence import ONE_PASS_RULES
 from vllm_d3.model_executor.models.d3_contract import (
     PrefixRanges,
     StateBlock,
     question_ends_of,
     state_tokens_of,
+)
+from vllm_d3.v1.attention.backends.d3_packed_gdn import (
+    GDNGroup,
+    PackedRow,
+    packed_step_metadata,
+    phase_a_checkpoints,
+    step_checkpoint_offsets,
+    step_state_slots,
 )
 from vllm_d3.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 
@@ -68,21 +63,25 @@ WARMUP_REQUEST_PREFIX = "_warmup_"
 
 
 def _one_pass_window(model: torch.nn.Module) -> int | None:
-    """The convolution window of ``model``'s Gated DeltaNet layers if all of
-    them prefill on FLA's chunked rule, else None; logs the packed forms."""
+    """The convolution window of ``model``'s Gated DeltaNet layers if every
+    one's prefill kernel has a one pass (``ONE_PASS_RULES``), else None; logs
+    the packed forms."""
     layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
-    if layers and all(m.gdn_prefill_backend == FLA_PREFILL_BACKEND for m in layers):
+    kernels = sorted({m.gdn_prefill_backend for m in layers})
+    if layers and all(kernel in ONE_PASS_RULES for kernel in kernels):
         logger.info(
-            "D3 prefix_bidir: a packed step's Gated DeltaNet runs in one pass "
-            "where the step allows it, else in two phases (or one scan of each "
-            "question's own prompt, for a small step)"
+            "D3 prefix_bidir: a packed step's Gated DeltaNet runs in one pass on "
+            "the %s prefill where the step allows it, else in two phases (or one "
+            "scan of each question's own prompt, for a small step)",
+            "/".join(kernels),
         )
         return layers[0].conv_kernel_size - 1
     logger.info(
         "D3 prefix_bidir: a packed step's Gated DeltaNet runs in two phases (or "
-        "one scan of each question's own prompt, for a small step); the one "
-        "pass needs every layer on the %s prefill",
-        FLA_PREFILL_BACKEND,
+        "one scan of each question's own prompt, for a small step); the %s "
+        "prefill has no one pass (%s have)",
+        "/".join(kernels),
+        ", ".join(ONE_PASS_RULES),
     )
     return None
 
@@ -237,7 +236,8 @@ class D3PrefixBidirModelState(MambaHybridModelState):
             if isinstance(first, GDNAttentionMetadata)
             else []
         )
-        query_start_loc = input_batch.query_start_loc_np[: input_batch.num_reqs + 1]
+        num_reqs = input_batch.num_reqs
+        query_start_loc = input_batch.query_start_loc_np[: num_reqs + 1]
         checkpoints = phase_a_checkpoints(query_start_loc, packed, offsets)
         if not packed and not checkpoints:
             return
@@ -251,33 +251,14 @@ class D3PrefixBidirModelState(MambaHybridModelState):
                     f"not {type(builder).__name__}"
                 )
             gdn_groups.append((metadata, builder, step_state_slots(metadata)))
-        packed_metadata = self._packed_gdn_metadata(
-            input_batch, packed, gdn_groups, checkpoints
+        packed_metadata = packed_step_metadata(
+            gdn_groups,
+            query_start_loc,
+            np.asarray(input_batch.seq_lens_cpu_upper_bound[:num_reqs]),
+            packed,
+            checkpoints,
+            self.split_window,
         )
         for group, metadata in zip(state_groups, packed_metadata, strict=True):
             for name in group.layer_names:
                 attn_metadata[name] = metadata
-
-    def _packed_gdn_metadata(
-        self,
-        input_batch: InputBatch,
-        packed: list[PackedRow],
-        groups: list[GDNGroup],
-        checkpoints: list[tuple[int, int]],
-    ) -> list[GDNAttentionMetadata]:
-        """Each group's metadata of the step: its one pass where the layers run
-        FLA's rule and the step allows it, else ``step_phases``' scans (one
-        scan of each question's own prompt for a small step, else two
-        phases). Only the two phases write ``checkpoints``."""
-        num_reqs = input_batch.num_reqs
-        query_start_loc = input_batch.query_start_loc_np[: num_reqs + 1]
-        seq_lens = np.asarray(input_batch.seq_lens_cpu_upper_bound[:num_reqs])
-        device = input_batch.query_start_loc.device
-        if self.split_window is not None and not checkpoints:
-            split = split_recurrence(
-                query_start_loc, seq_lens, packed, self.split_window, device
-            )
-            if split is not None:
-                return list(split_gdn_metadata(groups, split))
-        phases = step_phases(query_start_loc, seq_lens, packed, device, checkpoints)
-        return list(packed_gdn_metadata(groups, phases))
