@@ -337,10 +337,7 @@ def test_prefix_caching_is_on_by_default(make_checkpoint, hopper, log, monkeypat
 
 @pytest.mark.parametrize(
     ("additional", "reason"),
-    [
-        ({"d3_state_once": False}, "one engine request per question"),
-        ({"gdn_prefill_backend": "flashinfer"}, "--gdn-prefill-backend flashinfer"),
-    ],
+    [({"d3_state_once": False}, "one engine request per question")],
 )
 def test_by_default_what_the_state_cache_cannot_run_with_turns_it_off(
     make_checkpoint, hopper, log, additional, reason
@@ -364,10 +361,7 @@ def test_by_default_what_the_state_cache_cannot_run_with_turns_it_off(
 
 @pytest.mark.parametrize(
     ("additional", "reason"),
-    [
-        ({"d3_state_once": False}, "one engine request per question"),
-        ({"gdn_prefill_backend": "flashinfer"}, "--gdn-prefill-backend flashinfer"),
-    ],
+    [({"d3_state_once": False}, "one engine request per question")],
 )
 def test_what_the_state_cache_cannot_run_with_is_refused(
     make_checkpoint, hopper, additional, reason
@@ -377,6 +371,36 @@ def test_what_the_state_cache_cannot_run_with_is_refused(
         state_cache_config(model, additional_config=dict(additional))
     # Control: without prefix caching the same settings serve.
     uncached_config(model, additional_config=dict(additional))
+
+
+@pytest.fixture
+def rocm_flydsl(monkeypatch):
+    """An MI300-class GPU whose Gated DeltaNet prefill vLLM puts on AITER
+    FlyDSL (a bf16 model), the dense pieces' start-up check passing."""
+    import sys
+
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    from vllm_d3.testing.platforms import fake_gpu
+    from vllm_d3.v1.attention.backends import d3_kernel_check
+
+    fake_gpu(monkeypatch, "ROCm")
+    monkeypatch.setattr(sys.modules["vllm.platforms.rocm"], "on_mi3xx", lambda: True)
+    monkeypatch.setattr(rocm_aiter_ops, "is_gdn_flydsl_prefill_available", lambda: True)
+    monkeypatch.setattr(d3_kernel_check, "check_kernels", lambda names: (names[0], []))
+
+
+def test_a_gdn_prefill_whose_checkpoints_were_not_validated_is_refused(
+    make_checkpoint, rocm_flydsl, log
+):
+    model = make_checkpoint(weights=False)
+    default = EngineArgs(model=model, dtype="bfloat16").create_engine_config()
+    assert default.additional_config["gdn_prefill_backend"] == "aiter_flydsl"
+    assert not default.cache_config.enable_prefix_caching
+    assert "on by default, is off" in log[-1]
+    assert "write on the triton or flashinfer prefill, not on aiter_flydsl" in log[-1]
+    with pytest.raises(ValueError, match="--enable-prefix-caching .*aiter_flydsl"):
+        state_cache_config(model, dtype="bfloat16")
 
 
 def test_a_kv_connector_is_refused(make_checkpoint, hopper, log):

@@ -18,8 +18,11 @@ from vllm_d3.testing.attention_layer import FullAttentionLayer, Prompt
 from vllm_d3.v1.attention.backends import d3_prefix_bidir
 from vllm_d3.v1.attention.backends.d3_dense_kernels import (
     KERNEL_NAMES,
-    check_kernels,
     kernel_unavailable,
+)
+from vllm_d3.v1.attention.backends.d3_kernel_check import (
+    check_dense_kernel,
+    check_kernels,
 )
 
 pytestmark = pytest.mark.gpu
@@ -142,7 +145,7 @@ def test_the_served_layer_has_the_d3_backend(layer):
 
 
 def test_the_start_up_check_passes_the_kernel(layer):
-    assert d3_prefix_bidir.check_dense_kernel(layer.kernel) is None
+    assert check_dense_kernel(layer.kernel) is None
 
 
 def test_the_start_up_check_runs_in_a_process_of_its_own():

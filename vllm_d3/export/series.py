@@ -144,16 +144,21 @@ that the state is computed once:
   tokens, the way chunked prefill continues a sequence; a small step, where
   that second pass would cost more host time than reading its states again
   costs GPU time, instead runs as one scan of each question's own prompt; on
-  the Triton/FLA prefill a step instead runs in one pass, every block a
-  sequence of its own, FLA's chunked rule with its recurrence across chunks
-  run twice, first to find where each state ends, then with each question
-  starting there (layers/mamba/gdn/split_recurrence.py);
+  the Triton/FLA and FlashInfer prefills a step instead runs in one pass,
+  every block a sequence of its own: FLA's chunked rule with its recurrence
+  across chunks run twice, first to find where each state ends, then with each
+  question starting there (layers/mamba/gdn/split_recurrence.py), and
+  FlashInfer's as two launches in one core call, the state blocks then the
+  question blocks from their ends (layers/mamba/gdn/flashinfer_launches.py);
+  the metadata of each form is built by vLLM's own GDN builder
+  (v1/attention/backends/d3_packed_gdn.py);
 - the classify pooler reads a packed request out at the last token of each
   question block, the logits flat, question by question.
 
 For prefix caching's align mode (which the contract refuses for prefix_bidir
-until a later commit serves it as the state cache), the Gated DeltaNet layers declare
-prefill checkpoints on the Triton prefill too, and the two phases write those
+until a later commit serves it as the state cache), the Gated DeltaNet layers
+declare prefill checkpoints on the Triton prefill too (on FlashInfer's, at any
+token rather than every 64), and the two phases write those
 inside what their first phase reads; every scan runs on the state slots vLLM
 resolved for the step, and a packed row after a prefix-cache hit inside its
 state continues from the cached state.
@@ -162,7 +167,9 @@ The D3 model gives a prefix_bidir instance the get_model_state_cls hook and
 the per-question readout (models/d3_prefix_bidir.py); the other attention
 modes are unchanged.""",
     changes=(
+        NewFile("v1/attention/backends/d3_packed_gdn.py"),
         NewFile("model_executor/layers/mamba/gdn/packed_questions.py"),
+        NewFile("model_executor/layers/mamba/gdn/flashinfer_launches.py"),
         NewFile("model_executor/layers/mamba/gdn/split_recurrence.py"),
         Diff("05-model-state.diff"),
         NewFile("model_executor/models/d3_prefix_bidir.py"),
@@ -274,22 +281,27 @@ first runs a small prefix_bidir batch against a float32 reference in a process
 of its own; if none passes, vLLM's ranged attention stays. It then decides
 once, for every process, whether /v1/systemone reads each request's state once
 (packed questions; additional_config d3_state_once, which the user can turn
-off), and keeps the Gated DeltaNet prefill on Triton/FLA, the kernel the
-packed path was validated on, unless --gdn-prefill-backend chose another, and
-there, for an unquantized checkpoint, skips FlashInfer's autotune pass (a dummy
-step of max_num_batched_tokens tokens, here max_model_len, for kernels the
-model does not run) unless the user set it. It
+off); it writes the Gated DeltaNet prefill kernel every process runs: the
+user's --gdn-prefill-backend, else vLLM's own choice, except that FlashInfer's
+(vLLM's choice on Hopper for any head dim) gives way to Triton/FLA for GDN
+heads other than 128, which its kernel does not take; for an unquantized
+checkpoint it skips FlashInfer's autotune pass (a dummy step of
+max_num_batched_tokens tokens, here max_model_len, for kernels the model does
+not run, FlashInfer's GDN prefill not using the autotuner) unless the user set
+it. It
 writes its decisions under additional_config d3_decided, beside the user's
 switches, and logs each with its reason.""",
     changes=(
         Diff("07-dense-attention.diff"),
         NewFile("v1/attention/backends/d3_prefix_bidir.py"),
         NewFile("v1/attention/backends/d3_dense_kernels.py"),
+        NewFile("v1/attention/backends/d3_kernel_check.py"),
         NewFile("v1/attention/ops/dense_piece_attention.py"),
         NewFile("model_executor/models/d3_serving.py"),
     ),
     tests=(
         "tests/test_dense_attention.py",
+        "tests/test_gdn_prefill.py",
         "tests/test_strategy.py::test_state_once_packs_the_questions",
         "tests/test_strategy.py::test_a_pack_too_long_for_the_engine_is_split",
         "tests/test_strategy.py::test_an_engine_error_fails_the_read_naming_it[True]",
@@ -315,8 +327,8 @@ smaller):
 
 - left unset, it is on for prefix_bidir (EngineArgs' default, from the new
   d3_state_cache module's state_cache_by_default, marked as the default);
-- the config hook accepts it where the state is read once on the Triton GDN
-  prefill and no KV connector is configured; otherwise it refuses it, naming
+- the config hook accepts it where the state is read once on the Triton or
+  FlashInfer GDN prefill and no KV connector is configured; otherwise it refuses it, naming
   why, or, where it was the default, turns it off and logs why; it turns on
   chunked prefill, which prefix caching of a hybrid model asserts, while the
   token budget stays the one vLLM sized without chunking (at least

@@ -1,15 +1,16 @@
 """A GPU of a named family, faked at vLLM's interface for CPU tests.
 
-``fake_gpu(monkeypatch, family)`` makes the dense-piece kernels see a
-``Platform`` of the family's enum and compute capability, with vLLM's
-FlashAttention extensions and Triton present; the test's ``monkeypatch``
-undoes it.
+``fake_gpu(monkeypatch, family)`` makes the dense-piece kernels and vLLM's
+Gated DeltaNet prefill choice see a ``Platform`` of the family's enum and
+compute capability (CUDA runtime 13), with vLLM's FlashAttention extensions
+and Triton present; the test's ``monkeypatch`` undoes it.
 """
 
 import sys
 import types
 
 import pytest
+from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
 
 from vllm_d3.v1.attention.backends import d3_dense_kernels
@@ -25,8 +26,9 @@ FAMILIES = {
 
 
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, family: str) -> None:
-    """The kernels see a GPU of ``family`` through vLLM's ``Platform``, with
-    vLLM's FlashAttention extensions and Triton present."""
+    """The kernels and the GDN prefill choice see a GPU of ``family`` through
+    vLLM's ``Platform``, with vLLM's FlashAttention extensions and Triton
+    present."""
     enum, capability = FAMILIES[family]
 
     class FakePlatform(Platform):
@@ -36,7 +38,17 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch, family: str) -> None:
         def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
             return capability
 
-    monkeypatch.setattr(d3_dense_kernels, "current_platform", FakePlatform())
+        @classmethod
+        def get_cuda_runtime_major(cls) -> int:
+            return 13
+
+    for module in (d3_dense_kernels, qwen_gdn_linear_attn):
+        monkeypatch.setattr(module, "current_platform", FakePlatform())
+    if enum == PlatformEnum.ROCM:
+        # vLLM's ROCm module probes the GPU at import: a ROCm GPU of no MI300
+        # class, which a test may replace.
+        rocm = types.SimpleNamespace(on_mi3xx=lambda: False)
+        monkeypatch.setitem(sys.modules, "vllm.platforms.rocm", rocm)
     interface = types.SimpleNamespace(FA2_AVAILABLE=True, FA3_AVAILABLE=True)
     package = types.SimpleNamespace(flash_attn_interface=interface)
     package_name = "vllm.vllm_flash_attn"

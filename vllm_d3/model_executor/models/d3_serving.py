@@ -6,14 +6,13 @@ hook (upstream: ``model_executor/models/d3_serving.py``, a new file).
 ``select_prefix_bidir_serving(vllm_config)`` writes each decision into the
 config (``additional_config["d3_decided"]``, beside the user's switches), so
 that every process agrees, and logs it with its reason: the full-attention
-layers on the dense-piece backend and its kernel (``d3_attention_kernel``:
-forced by the user, else the GPU's first that runs, checked at start-up off
-Hopper; ``ranged`` where vLLM's own selection stays); whether /v1/systemone
-reads each state once (``d3_state_once``, only on the dense pieces); the Gated
-DeltaNet prefill on Triton/FLA unless chosen; FlashInfer's autotune off unless
-asked for, where the model has nothing it tunes; expandable segments for the
-engine's CUDA caching allocator unless the user's settings name them or a KV
-connector is on. Other checkpoints are left as they are.
+layers on the dense-piece backend and its kernel (``d3_attention_kernel``);
+whether /v1/systemone reads each state once (``d3_state_once``); the Gated
+DeltaNet prefill kernel, vLLM's own choice where it runs the checkpoint
+(``gdn_prefill_backend``); FlashInfer's autotune off unless asked for, where
+the model has nothing it tunes; expandable segments for the engine's CUDA
+caching allocator unless the user's settings name them or a KV connector is
+on. Other checkpoints are left as they are.
 """
 
 import os
@@ -47,9 +46,8 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 #: Where ``--gdn-prefill-backend`` lands (``vllm_config.additional_config``).
 GDN_PREFILL_BACKEND_KEY = "gdn_prefill_backend"
-#: The Gated DeltaNet prefill kernel every GPU validation of the state-once path
-#: ran on (Triton/FLA); vLLM's "auto" would pick FlashInfer on Hopper.
-VALIDATED_GDN_PREFILL_BACKEND = "triton"
+#: The only GDN head dim FlashInfer's Gated DeltaNet prefill takes.
+FLASHINFER_HEAD_DIM = 128
 
 
 def select_prefix_bidir_serving(
@@ -62,6 +60,7 @@ def select_prefix_bidir_serving(
         return
     dense_attention = _select_full_attention(vllm_config, unavailable)
     _select_reads(vllm_config, dense_attention)
+    _select_gdn_prefill(vllm_config)
     _select_autotune(vllm_config)
     _select_allocator(vllm_config)
 
@@ -157,6 +156,7 @@ def _choose_kernel(forced: str, chooser: str) -> tuple[str | None, str]:
     """The dense-piece kernel for this GPU (``forced``, or the platform's first
     one present, checked at start-up where it was not validated), with why."""
     from vllm_d3.v1.attention.backends import d3_dense_kernels as kernels
+    from vllm_d3.v1.attention.backends import d3_kernel_check
 
     family, present, none_present = kernels.platform_kernels()
     if family is None or (forced == AUTO_KERNEL and not present):
@@ -170,7 +170,7 @@ def _choose_kernel(forced: str, chooser: str) -> tuple[str | None, str]:
         candidates, how = [forced], f"{chooser} chose it"
     if family == kernels.VALIDATED_FAMILY:
         return candidates[0], f"{how}, validated on {family}"
-    passed, failures = kernels.check_kernels(candidates)
+    passed, failures = d3_kernel_check.check_kernels(candidates)
     for failure in failures:
         logger.warning("D3 prefix_bidir: dense-piece kernel check failed: %s", failure)
     if passed is None:
@@ -183,8 +183,7 @@ def _choose_kernel(forced: str, chooser: str) -> tuple[str | None, str]:
 
 def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
     """Decide, once for every process, whether /v1/systemone reads a request's
-    state once (packed questions), and keep the Gated DeltaNet prefill on the
-    kernel the packed path was validated on."""
+    state once (packed questions)."""
     extra = _additional_config(vllm_config)
     if not state_once_of(extra):
         why_not: str | None = f"{STATE_ONCE_KEY} is false"
@@ -205,23 +204,58 @@ def _select_reads(vllm_config: "VllmConfig", dense_attention: bool) -> None:
             "D3 prefix_bidir: /v1/systemone sends one engine request per question (%s)",
             why_not,
         )
-    chosen = extra.get(GDN_PREFILL_BACKEND_KEY)
-    if chosen is None:
-        extra[GDN_PREFILL_BACKEND_KEY] = VALIDATED_GDN_PREFILL_BACKEND
-        logger.info(
-            "D3 prefix_bidir: Gated DeltaNet prefill on %s, the kernel its "
-            "state-once path was validated on (--gdn-prefill-backend chooses "
-            "another)",
-            VALIDATED_GDN_PREFILL_BACKEND,
+
+
+def _select_gdn_prefill(vllm_config: "VllmConfig") -> None:
+    """Write the Gated DeltaNet prefill kernel every process runs: the user's
+    ``--gdn-prefill-backend``, else vLLM's own choice for this GPU, except
+    that FlashInfer's, which takes GDN heads of ``FLASHINFER_HEAD_DIM`` only,
+    gives way to Triton for other heads (vLLM picks it on Hopper for any)."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        _resolve_gdn_prefill_backend,
+    )
+
+    from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
+        FLASHINFER_GDN_PREFILL,
+        TRITON_GDN_PREFILL,
+    )
+
+    extra = _additional_config(vllm_config)
+    requested, resolved = _resolve_gdn_prefill_backend(vllm_config)
+    kernel: str = resolved
+    text_config = vllm_config.model_config.hf_text_config
+    head_dims = [
+        getattr(text_config, "linear_key_head_dim", None),
+        getattr(text_config, "linear_value_head_dim", None),
+    ]
+    runs_flashinfer = head_dims == [FLASHINFER_HEAD_DIM] * 2
+    if requested != "auto":
+        if kernel == FLASHINFER_GDN_PREFILL and not runs_flashinfer:
+            raise ValueError(
+                f"--gdn-prefill-backend {requested} cannot serve this checkpoint: "
+                f"FlashInfer's Gated DeltaNet prefill takes head dim "
+                f"{FLASHINFER_HEAD_DIM}, this checkpoint's are {head_dims} "
+                f"(linear_key_head_dim, linear_value_head_dim)"
+            )
+        why = f"--gdn-prefill-backend {requested} was chosen"
+        if kernel != requested:
+            why += f", which vLLM runs as {kernel} on this GPU"
+    elif kernel == FLASHINFER_GDN_PREFILL and not runs_flashinfer:
+        kernel = TRITON_GDN_PREFILL
+        why = (
+            f"vLLM's choice on this GPU, FlashInfer, takes head dim "
+            f"{FLASHINFER_HEAD_DIM} only, and this checkpoint's are "
+            f"{head_dims}"
         )
-    elif chosen != VALIDATED_GDN_PREFILL_BACKEND and state_once:
-        logger.warning(
-            "D3 prefix_bidir: --gdn-prefill-backend %s was chosen; the state-once "
-            "path restarts each question from the state on it unvalidated (it was "
-            "validated on %s)",
-            chosen,
-            VALIDATED_GDN_PREFILL_BACKEND,
-        )
+    else:
+        why = "vLLM's choice on this GPU"
+    extra[GDN_PREFILL_BACKEND_KEY] = kernel
+    logger.info(
+        "D3 prefix_bidir: Gated DeltaNet prefill on %s (%s; --gdn-prefill-backend "
+        "chooses another)",
+        kernel,
+        why,
+    )
 
 
 def _select_autotune(vllm_config: "VllmConfig") -> None:
@@ -231,14 +265,13 @@ def _select_autotune(vllm_config: "VllmConfig") -> None:
     Its warm-up is a dummy step of ``max_num_batched_tokens`` tokens, here
     ``max_model_len`` or more (no chunked prefill), for kernels an unquantized
     D3 model does not run: its matrix multiplies are PyTorch's, its attention
-    the D3 backends' or vLLM's, its Gated DeltaNet prefill Triton/FLA.
+    the D3 backends' or vLLM's, its Gated DeltaNet prefill Triton/FLA or
+    FlashInfer's, which does not use FlashInfer's autotuner.
     """
     kernel_config = vllm_config.kernel_config
     if kernel_config.enable_flashinfer_autotune is not None:
         return
-    quantization = vllm_config.model_config.quantization
-    gdn_prefill = _additional_config(vllm_config).get(GDN_PREFILL_BACKEND_KEY)
-    if quantization is not None or gdn_prefill != VALIDATED_GDN_PREFILL_BACKEND:
+    if vllm_config.model_config.quantization is not None:
         return
     kernel_config.enable_flashinfer_autotune = False
     logger.info(

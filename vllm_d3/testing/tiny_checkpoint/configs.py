@@ -51,8 +51,8 @@ def _text_config(shape: str, vocab_size: int, eos_token_id: int) -> dict[str, An
             "num_key_value_heads": 1,
             "linear_num_key_heads": 2,
             "linear_num_value_heads": 4,
-            "linear_key_head_dim": 64,
-            "linear_value_head_dim": 64,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
         }
     else:
         dims = {

@@ -26,6 +26,9 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.utils import tensor_data
 
 from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
+from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
+    STATE_CACHE_GDN_PREFILLS,
+)
 from vllm_d3.model_executor.models.d3_contract import (
     STATE_CACHE_MIN_TOKENS_KEY,
     STATE_TOKENS_KEY,
@@ -37,10 +40,7 @@ from vllm_d3.model_executor.models.d3_contract import (
     state_once_decided,
     state_tokens_of,
 )
-from vllm_d3.model_executor.models.d3_serving import (
-    GDN_PREFILL_BACKEND_KEY,
-    VALIDATED_GDN_PREFILL_BACKEND,
-)
+from vllm_d3.model_executor.models.d3_serving import GDN_PREFILL_BACKEND_KEY
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
@@ -144,11 +144,11 @@ def _state_cache_refused(vllm_config: "VllmConfig") -> str | None:
             "one engine request per question (an earlier log line says why)"
         )
     gdn_prefill = extra.get(GDN_PREFILL_BACKEND_KEY)
-    if gdn_prefill != VALIDATED_GDN_PREFILL_BACKEND:
+    if gdn_prefill not in STATE_CACHE_GDN_PREFILLS:
         return (
-            f"its Gated DeltaNet states are the checkpoints written on the "
-            f"{VALIDATED_GDN_PREFILL_BACKEND} prefill, not on --gdn-prefill-backend "
-            f"{gdn_prefill}"
+            f"its Gated DeltaNet states are the checkpoints the packed scans "
+            f"write on the {' or '.join(STATE_CACHE_GDN_PREFILLS)} prefill, not "
+            f"on {gdn_prefill}"
         )
     if vllm_config.kv_transfer_config is not None:
         return "a KV connector's cache hits are not bounded by the state block"
