@@ -24,14 +24,18 @@ Contract:
   '{"d3_attention_kernel": "torch_flash"}'`` (``rows.PORTABLE_KERNEL``, the
   kernel ROCm gets), servers ``default-portable`` and ``long-portable``;
   ``vllm_dp2`` (by name too) the ``vllm`` servers with ``--data-parallel-size
-  2`` (two GPUs of one host), servers ``default-dp2`` and ``long-dp2``. Each
+  2`` (two GPUs of one host), servers ``default-dp2`` and ``long-dp2``;
+  ``vllm_triton_gdn`` (by name too) the ``vllm`` servers with
+  ``--gdn-prefill-backend triton`` (``server.TRITON_GDN_FLAGS``), servers
+  ``default-triton-gdn`` and ``long-triton-gdn``. Each
   server's ``memory`` names the GPUs it used (``vllm_side.MemoryPoller``).
 - Each latency row and load has an entry per side (``rows.SIDES``) and the
   ratios of their p50s (of their requests per second for a load), ``None``
   where a side was not measured: ``ratio`` (vllm / reference),
   ``ratio_per_question`` (vllm_per_question / reference) and
   ``speedup_state_once`` (above 1 where vllm is the faster: vllm_per_question
-  p50 / vllm p50, or vllm req/s / vllm_per_question req/s), and
+  p50 / vllm p50, or vllm req/s / vllm_per_question req/s),
+  ``default_over_triton_gdn`` (vllm / vllm_triton_gdn, p50s or req/s), and
   ``portable_over_default`` (vllm_portable / vllm, p50s or req/s) and
   ``dp2_over_default`` (vllm_dp2 / vllm, likewise).
 - ``--smoke``: a tiny package, one request per row and no warm-up (the
@@ -79,7 +83,7 @@ from vllm_d3.model_executor.models.d3_contract import (
     STATE_ONCE_KEY,
 )
 from vllm_d3.testing.requests import words_per_token
-from vllm_d3.testing.server import ADDITIONAL_CONFIG_FLAG
+from vllm_d3.testing.server import ADDITIONAL_CONFIG_FLAG, TRITON_GDN_FLAGS
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 
 from . import report
@@ -120,6 +124,7 @@ VLLM_SIDES = {
         "-per-question",
         [ADDITIONAL_CONFIG_FLAG, json.dumps({STATE_ONCE_KEY: False})],
     ),
+    "vllm_triton_gdn": ("-triton-gdn", TRITON_GDN_FLAGS),
 }
 #: The token count each vLLM side's ``usage.input_tokens`` should report.
 USAGE_TOKENS = {side: f"tokens_{side}" for side in VLLM_SIDES}
@@ -428,6 +433,9 @@ def _latency_entry(
         "speedup_state_once": _quotient(
             sides["vllm_per_question"], sides["vllm"], "p50_s"
         ),
+        "default_over_triton_gdn": _quotient(
+            sides["vllm"], sides["vllm_triton_gdn"], "p50_s"
+        ),
         "portable_over_default": _quotient(
             sides["vllm_portable"], sides["vllm"], "p50_s"
         ),
@@ -452,6 +460,9 @@ def _throughput_entry(
         ),
         "speedup_state_once": _quotient(
             sides["vllm"], sides["vllm_per_question"], "requests_per_s"
+        ),
+        "default_over_triton_gdn": _quotient(
+            sides["vllm"], sides["vllm_triton_gdn"], "requests_per_s"
         ),
         "portable_over_default": _quotient(
             sides["vllm_portable"], sides["vllm"], "requests_per_s"

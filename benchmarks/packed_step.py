@@ -3,14 +3,15 @@ question block and as one prompt per question, in process.
 
 ``python -m benchmarks.packed_step --out FILE [--layers 16]
 [--shapes 280x92x4,290x80x16] [--copies 1] [--repeats 5] [--profile]
-[--compilation-config JSON] [--max-model-len N]``
+[--compilation-config JSON] [--max-model-len N] [--gdn-prefill-backend KERNEL]``
 
 Contract:
 - A weight-less d3-turbo package is written to a temporary directory and cut
   to its first ``--layers`` decoder layers (d3-turbo repeats three Gated
   DeltaNet layers and one full-attention layer, so a multiple of 4 keeps the
   mix); ``vllm.LLM`` serves it in this process (``load_format="dummy"``, the
-  Triton GDN prefill, ``--max-model-len`` or else the package's,
+  Gated DeltaNet prefill kernel vLLM and the plugin choose unless
+  ``--gdn-prefill-backend`` names one, ``--max-model-len`` or else the package's,
   ``--compilation-config`` as vLLM takes it), its engine core in this process too
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 - Each shape ``SxQLxQ`` (state tokens, tokens per question, questions) is sent
@@ -32,7 +33,8 @@ Contract:
   time, and by CUDA time) of every way's call but ``per question``
   (``FILE.packed.txt``, ``FILE.packed-two-phases.txt``, ...,
   ``FILE.one-block.txt``).
-- Writes ``FILE`` (JSON: the layers, the copies, a list of ``{"shape",
+- Writes ``FILE`` (JSON: the layers, the copies, the GDN prefill kernel that
+  served (``gdn_prefill_backend``), a list of ``{"shape",
   "way", "median_ms", "samples_ms"}`` and, with ``--profile``, ``timelines``:
   ``{"shape", "way", ...}`` with the timeline's fields) and prints a line per
   shape and way.
@@ -58,8 +60,7 @@ from vllm_d3.model_executor.models.d3_contract import (
     QUESTION_ENDS_KEY,
     STATE_TOKENS_KEY,
 )
-from vllm_d3.testing.gdn_forms import gdn_form
-from vllm_d3.testing.server import GDN_PREFILL_BACKEND
+from vllm_d3.testing.gdn_forms import gdn_form, served_gdn_prefill
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 
 from .gpu_timeline import timeline
@@ -191,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compilation-config", type=json.loads, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--gdn-prefill-backend",
+        help="a Gated DeltaNet prefill kernel (default: vLLM's and the plugin's)",
+    )
     args = parser.parse_args(argv)
     shapes = [_shape(part) for part in args.shapes.split(",") if part]
     # Before vLLM starts an engine: its core in this process, for the profiler.
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(
             model=str(write_package(Path(scratch), args.layers)),
             load_format="dummy",
-            gdn_prefill_backend=GDN_PREFILL_BACKEND,
+            gdn_prefill_backend=args.gdn_prefill_backend,
             compilation_config=args.compilation_config,
             max_model_len=args.max_model_len,
         )
@@ -249,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "layers": args.layers,
                 "copies": args.copies,
+                "gdn_prefill_backend": served_gdn_prefill(llm),
                 "compilation_config": args.compilation_config,
                 "max_model_len": args.max_model_len,
                 "results": results,

@@ -28,13 +28,14 @@ from .rows import SIDES
 #: How the tables and the plot name each side.
 LABELS = {
     "vllm": "vLLM state once",
+    "vllm_triton_gdn": "vLLM state once, Triton GDN",
     "vllm_portable": "vLLM state once, portable kernel",
     "vllm_dp2": "vLLM state once, 2 GPUs (DP=2)",
     "vllm_per_question": "vLLM per question",
     "reference": "reference",
 }
 #: What a cell holding one value per side, "a / b / c", lists.
-PER_SIDE = "state once / portable / DP=2 / per question / reference"
+PER_SIDE = "state once / Triton GDN / portable / DP=2 / per question / reference"
 
 
 def _ok(side: dict[str, Any] | None) -> bool:
@@ -80,6 +81,7 @@ def _ratio_cells(entry: dict[str, Any]) -> str:
         "ratio",
         "ratio_per_question",
         "speedup_state_once",
+        "default_over_triton_gdn",
         "portable_over_default",
         "dp2_over_default",
     )
@@ -105,6 +107,7 @@ def _latency_table(rows: list[dict[str, Any]]) -> list[str]:
             "state once / reference",
             "per question / reference",
             "per question / state once",
+            "state once / Triton GDN",
             "portable / state once",
             "DP=2 / state once",
             f"tokens computed: {PER_SIDE}",
@@ -328,7 +331,7 @@ def plot(results: dict[str, Any], path: Path) -> str:
         return "skipped: matplotlib is not installed"
     rows = [r for r in results["latency"] if not r["media"]]
     series = {}
-    for side, marker in zip(SIDES, ("o", "D", "v", "^", "s"), strict=True):
+    for side, marker in zip(SIDES, ("o", "x", "D", "v", "^", "s"), strict=True):
         points = sorted(
             (r["state_tokens"], r[side]["p50_s"], r["id"]) for r in rows if _ok(r[side])
         )

@@ -2,12 +2,13 @@
 
 Contract:
 - ``SIDES``: what is timed, by its key in the results: ``vllm`` (the plugin's
-  default, each request's state read once), ``vllm_portable`` (the same with
-  the dense pieces on ``PORTABLE_KERNEL``, the kernel ROCm gets), ``vllm_dp2``
-  (the same on two GPUs, ``--data-parallel-size 2``), ``vllm_per_question``
-  (one engine request per question, the state read again for each) and
-  ``reference``; ``DEFAULT_SIDES`` leaves out ``vllm_portable``
-  and ``vllm_dp2``.
+  default, each request's state read once), ``vllm_triton_gdn`` (the same with
+  the Gated DeltaNet prefill forced to Triton/FLA), ``vllm_portable`` (the
+  same with the dense pieces on ``PORTABLE_KERNEL``, the kernel ROCm gets),
+  ``vllm_dp2`` (the same on two GPUs, ``--data-parallel-size 2``),
+  ``vllm_per_question`` (one engine request per question, the state read
+  again for each) and ``reference``; ``DEFAULT_SIDES`` leaves out
+  ``vllm_triton_gdn``, ``vllm_portable`` and ``vllm_dp2``.
 - ``LATENCY_ROWS``: one ``Row`` per latency row (id, label, question count, and
   the state: words of text, a target length in tokens for the long rows,
   photos or a video). ``THROUGHPUT_ROWS``: one ``Load`` per closed-loop run
@@ -45,9 +46,16 @@ PHOTO_SIZE = (1024, 768)
 PHOTOS_SIZE = (640, 480)
 VIDEO_SECONDS = 11.0
 
-SIDES = ("vllm", "vllm_portable", "vllm_dp2", "vllm_per_question", "reference")
+SIDES = (
+    "vllm",
+    "vllm_triton_gdn",
+    "vllm_portable",
+    "vllm_dp2",
+    "vllm_per_question",
+    "reference",
+)
 #: The sides that read each request's state once.
-STATE_ONCE_SIDES = ("vllm", "vllm_portable", "vllm_dp2", "reference")
+STATE_ONCE_SIDES = ("vllm", "vllm_triton_gdn", "vllm_portable", "vllm_dp2", "reference")
 DEFAULT_SIDES = ("vllm", "vllm_per_question", "reference")
 #: The dense-piece kernel of the ``vllm_portable`` side: ROCm's first choice,
 #: which also runs on CUDA.

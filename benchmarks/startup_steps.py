@@ -1,13 +1,16 @@
 """Where an engine's start-up goes, step by step, in process.
 
 ``python -m benchmarks.startup_steps --out FILE [--layers 64]
-[--max-model-len N] [--enable-flashinfer-autotune] [--checkpoint DIR]``
+[--max-model-len N] [--enable-flashinfer-autotune] [--checkpoint DIR]
+[--gdn-prefill-backend KERNEL]``
 
 Contract:
 - Serves ``packed_step``'s weight-less d3-turbo package (``--layers`` decoder
   layers) with ``vllm.LLM`` in this process, its engine core too
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``load_format="dummy"``, the Triton
-  GDN prefill, ``--max-model-len`` or else the package's; with
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``load_format="dummy"``, the Gated
+  DeltaNet prefill kernel vLLM and the plugin choose unless
+  ``--gdn-prefill-backend`` names one, ``--max-model-len`` or else the
+  package's; with
   ``--enable-flashinfer-autotune`` vLLM runs its FlashInfer autotune whatever
   the plugin decides; ``--checkpoint`` serves that package instead (e.g.
   ``benchmarks.d3``'s, whose servers' compile caches then apply).
@@ -18,7 +21,8 @@ Contract:
   to a synchronised GPU, naming it by the steps it ran inside.
 - Counts the calls FlashInfer's autotuner was asked to choose a kernel for
   during the run (``AutoTuner.choose_one``; ``None`` without FlashInfer).
-- Writes ``FILE`` (JSON: the settings, ``"steps"``: a list of ``{"step",
+- Writes ``FILE`` (JSON: the settings, the GDN prefill kernel that served,
+  ``"steps"``: a list of ``{"step",
   "tokens", "s"}`` in the order they ended, ``"engine_s"``: ``vllm.LLM``'s
   construction, ``"flashinfer_choices"``) and prints each step. CUDA only.
 """
@@ -37,7 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vllm_d3.testing.server import GDN_PREFILL_BACKEND
+from vllm_d3.testing.gdn_forms import served_gdn_prefill
 
 from .packed_step import write_package
 
@@ -125,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--gdn-prefill-backend",
+        help="a Gated DeltaNet prefill kernel (default: vLLM's and the plugin's)",
+    )
     parser.add_argument("--enable-flashinfer-autotune", action="store_true")
     parser.add_argument("--checkpoint", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -137,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     choices = count_flashinfer_choices()
     with tempfile.TemporaryDirectory() as scratch:
         started = time.perf_counter()
-        LLM(
+        llm = LLM(
             model=str(args.checkpoint or write_package(Path(scratch), args.layers)),
             load_format="dummy",
-            gdn_prefill_backend=GDN_PREFILL_BACKEND,
+            gdn_prefill_backend=args.gdn_prefill_backend,
             max_model_len=args.max_model_len,
             # None leaves it to the plugin and vLLM.
             enable_flashinfer_autotune=args.enable_flashinfer_autotune or None,
@@ -151,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers,
         "max_model_len": args.max_model_len,
         "enable_flashinfer_autotune": args.enable_flashinfer_autotune,
+        "gdn_prefill_backend": served_gdn_prefill(llm),
         "engine_s": round(engine_s, 3),
         "flashinfer_choices": choices(),
         "steps": clock.steps,

@@ -1,12 +1,12 @@
 """End-to-end validation of vLLM + vllm-d3 against the reference runtime (GPU).
 
 ``python -m benchmarks.validation run --out DIR [--quick] [--parallel]
-[--serve-arg=FLAG ...] [--http-only] [--reference-cache CACHE]`` builds tiny
+[--serve-arg=FLAG ...] [--gdn-prefill-backend KERNEL] [--http-only]
+[--reference-cache CACHE]`` builds tiny
 checkpoints (prefix_bidir with a vision tower, causal, noncausal_full_attention),
 the seeded request sets of ``requests.py``, and then, each served by vLLM with no
-flag beyond what a user passes (``--gdn-prefill-backend triton``, for a vLLM
-install without FlashInfer's GDN kernels; ``--max-model-len 131072`` for the
-long states):
+flag beyond what a user passes (``--max-model-len 131072`` for the long states;
+``--gdn-prefill-backend KERNEL`` forces a Gated DeltaNet prefill kernel):
 
 - reference answers (``vllm_d3.reference``, float32; on the CPU, and on the GPU
   for the long states only) under the checkpoint's mask, and under the causal
@@ -83,7 +83,6 @@ from vllm_d3.testing.compare import (
 )
 from vllm_d3.testing.requests import request_sets, words_per_token
 from vllm_d3.testing.server import (
-    GDN_PREFILL_BACKEND,
     Server,
     ServerExited,
     last_error,
@@ -311,10 +310,7 @@ def run_inprocess(
     renderer = ReferenceRuntime(checkpoint, device="cpu")
     decision = json.loads((Path(checkpoint) / "decision_config.json").read_text())
     prefix_bidir = is_prefix_bidir(decision)
-    kwargs: dict[str, Any] = {
-        "model": checkpoint,
-        "gdn_prefill_backend": GDN_PREFILL_BACKEND,
-    }
+    kwargs: dict[str, Any] = {"model": checkpoint}
     kwargs.update(engine_args)
     if long:
         kwargs["max_model_len"] = LONG_MAX_MODEL_LEN
@@ -984,21 +980,29 @@ def _run_command(
     serve_args: list[str],
     http_only: bool,
     reference_cache: bool,
+    gdn_prefill_backend: str | None,
 ) -> str:
     """The command line a run's report names."""
     command = "python -m benchmarks.validation run --out OUT"
     command += " --quick" if quick else ""
     command += " --parallel" if parallel else ""
     command += f" --dtype {dtype}" if dtype else ""
+    gdn = gdn_prefill_backend
+    command += f" --gdn-prefill-backend {gdn}" if gdn else ""
     command += "".join(f" {shlex.quote(f'--serve-arg={arg}')}" for arg in serve_args)
     command += " --http-only" if http_only else ""
     return command + (" --reference-cache CACHE" if reference_cache else "")
 
 
-def _engine_args(parallel: bool, dtype: str | None) -> dict[str, Any]:
+def _engine_args(
+    parallel: bool, dtype: str | None, gdn_prefill_backend: str | None
+) -> dict[str, Any]:
     """The options a user would pass: in parallel, every engine gets a share of
-    the GPU's memory and a fixed KV cache; ``dtype`` serves in another dtype."""
+    the GPU's memory and a fixed KV cache; ``dtype`` serves in another dtype,
+    ``gdn_prefill_backend`` on another Gated DeltaNet prefill kernel."""
     engine_args: dict[str, Any] = {}
+    if gdn_prefill_backend:
+        engine_args["gdn_prefill_backend"] = gdn_prefill_backend
     if parallel:
         engine_args["gpu_memory_utilization"] = PARALLEL_MEMORY
         engine_args["kv_cache_memory_bytes"] = PARALLEL_KV_CACHE_BYTES
@@ -1106,6 +1110,7 @@ def run(
     serve_args: list[str] | None = None,
     http_only: bool = False,
     reference_cache: Path | None = None,
+    gdn_prefill_backend: str | None = None,
 ) -> dict:
     """The validation; ``serve_args`` go to both servers (e.g.
     ``--tensor-parallel-size 2``), ``http_only`` leaves out the in-process
@@ -1136,14 +1141,20 @@ def run(
     results["reference_cache"] = reference_cache is not None
     answers = results["answers"] = {"reference": ref}
     command = _run_command(
-        quick, parallel, dtype, serve_args, http_only, reference_cache is not None
+        quick,
+        parallel,
+        dtype,
+        serve_args,
+        http_only,
+        reference_cache is not None,
+        gdn_prefill_backend,
     )
 
     def save() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "validation.md").write_text(report(results, command))
 
-    engine_args = _engine_args(parallel, dtype)
+    engine_args = _engine_args(parallel, dtype, gdn_prefill_backend)
 
     def in_process(mode: str, names: dict) -> InProcess:
         long_states = any(n.startswith(LONG_SETS) for n in names)
@@ -1243,6 +1254,11 @@ def _run_arguments(run_p: argparse.ArgumentParser) -> None:
         "(--serve-arg=--tensor-parallel-size=2)",
     )
     run_p.add_argument(
+        "--gdn-prefill-backend",
+        help="serve on this Gated DeltaNet prefill kernel (e.g. triton) instead "
+        "of the one vLLM and the plugin choose",
+    )
+    run_p.add_argument(
         "--http-only",
         action="store_true",
         help="only the servers: no in-process engines, other modes or start-up checks",
@@ -1293,6 +1309,7 @@ def main(argv: list[str] | None = None) -> int:
             args.serve_arg,
             args.http_only,
             args.reference_cache,
+            args.gdn_prefill_backend,
         )
     return 0
 

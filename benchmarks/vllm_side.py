@@ -1,8 +1,7 @@
 """vLLM's sides of the D3 benchmark: ``vllm serve`` on loopback, over HTTP.
 
 Contract:
-- ``serve_flags(checkpoint, extra)``: the flags after the checkpoint besides
-  ``server.SERVE_FLAGS`` (which ``server.Server`` adds):
+- ``serve_flags(checkpoint, extra)``: the flags after the checkpoint:
   ``--load-format dummy`` for a package without weights, then ``extra``.
 - ``run_group(...)`` starts one server (``server.Server``), measures
   start-up (process start to the first HTTP 200 of ``/v1/systemone``), the
@@ -46,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_d3.testing.server import SERVE_FLAGS, Server, post, served_max_model_len
+from vllm_d3.testing.server import Server, post, served_max_model_len
 
 from .reference_side import has_weights
 from .rows import Load, Row, question_count
@@ -362,7 +361,7 @@ def run_group(
     log_file = logs / f"serve-{name}.log"
     result: dict[str, Any] = {
         "flags": flags,
-        "command": ["vllm", "serve", checkpoint, *SERVE_FLAGS, *flags],
+        "command": ["vllm", "serve", checkpoint, *flags],
         "log": log_file.name,
     }
     rows_out: dict[str, Any] = {}

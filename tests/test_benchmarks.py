@@ -80,12 +80,13 @@ def test_smoke_writes_the_markdown_table_and_plot(smoke):
     text = (out / "results.md").read_text()
     assert (
         "| row | questions | state tokens | vLLM state once p50 (ms) "
+        "| vLLM state once, Triton GDN p50 (ms) "
         "| vLLM state once, portable kernel p50 (ms) "
         "| vLLM state once, 2 GPUs (DP=2) p50 (ms) "
         "| vLLM per question p50 (ms) | reference p50 (ms) "
         "| state once / reference | per question / reference "
-        "| per question / state once | portable / state once "
-        "| DP=2 / state once |"
+        "| per question / state once | state once / Triton GDN "
+        "| portable / state once | DP=2 / state once |"
     ) in text
     assert "| vLLM per question req/s | vLLM per question questions/s |" in text
     for row in LATENCY_ROWS:
@@ -210,11 +211,13 @@ def test_token_accounting_counts_each_side():
         "state_tokens": 10,
         "prompt_lengths": [15, 12, 20],
         "tokens_vllm": 10 + 5 + 2 + 10,
+        "tokens_vllm_triton_gdn": 10 + 5 + 2 + 10,
         "tokens_vllm_portable": 10 + 5 + 2 + 10,
         "tokens_vllm_dp2": 10 + 5 + 2 + 10,
         "tokens_vllm_per_question": 15 + 12 + 20,
         "tokens_reference": 10 + 5 + 2 + 10,
         "state_reads_vllm": 1,
+        "state_reads_vllm_triton_gdn": 1,
         "state_reads_vllm_portable": 1,
         "state_reads_vllm_dp2": 1,
         "state_reads_vllm_per_question": 3,
@@ -245,6 +248,7 @@ def test_usage_is_judged_against_each_vllm_sides_own_count():
                     "p50_s": 3.0,
                     "input_tokens": [per_question_usage],
                 },
+                "vllm_triton_gdn": {"status": "not run (--sides)"},
                 "vllm_portable": {"status": "not run (--sides)"},
                 "vllm_dp2": {"status": "not run (--sides)"},
                 "reference": {"status": "ok", "p50_s": 2.0},
@@ -626,22 +630,25 @@ def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
     line = next(line for line in lines if line.startswith(f"| {four['label']} |"))
     cells = [cell.strip() for cell in line.split("|")[1:-1]]
     assert len(cells) == header.count("|") - 1
-    # The p50 of state once, the portable and DP=2 sides (not run), per
-    # question and the reference, then the ratios (the last two not measured).
+    # The p50 of state once, the Triton GDN, portable and DP=2 sides (not
+    # run), per question and the reference, then the ratios (the last three
+    # not measured).
     p50s = [report._ms(four[side]["p50_s"]) for side in d3.DEFAULT_SIDES]
     not_run = "not run (--sides)"
-    assert cells[3:8] == [p50s[0], not_run, not_run, *p50s[1:]]
+    assert cells[3:9] == [p50s[0], not_run, not_run, not_run, *p50s[1:]]
     ratios = ("ratio", "ratio_per_question", "speedup_state_once")
-    assert cells[8:13] == [*(f"{four[key]:.3g}" for key in ratios), "", ""]
-    # Tokens and state reads of state once / portable / DP=2 / per question /
-    # the reference.
+    assert cells[9:15] == [*(f"{four[key]:.3g}" for key in ratios), "", "", ""]
+    # Tokens and state reads of state once / Triton GDN / portable / DP=2 /
+    # per question / the reference.
     assert (
         f"| {four['tokens_vllm']:,} (usage.input_tokens [400]) "
+        f"/ {four['tokens_vllm_triton_gdn']:,} "
         f"/ {four['tokens_vllm_portable']:,} / {four['tokens_vllm_dp2']:,} "
         f"/ {four['tokens_vllm_per_question']:,} (usage.input_tokens [400]) "
-        f"/ {four['tokens_reference']:,} | 1 / 1 / 1 / 4 / 1 |"
+        f"/ {four['tokens_reference']:,} | 1 / 1 / 1 / 1 / 4 / 1 |"
     ) in text
-    assert "default server (`--gdn-prefill-backend triton --load-format" in text
+    # No GDN kernel forced: the default server's flags start with the package's.
+    assert "default server (`--load-format" in text
     # HTTP against engine time, with the front end's share where one HTTP
     # request is one engine request (the stub's 1-question row).
     engine = {row["id"]: row["vllm"]["engine"] for row in results["latency"]}
@@ -655,7 +662,7 @@ def test_smoke_with_vllm_side_stubbed(smoke, monkeypatch, tmp_path):
     assert f"| {four['label']} | vLLM state once |" in text
     assert (f"| {report._ms(4 * STUB_ENGINE_S)} |  |  |  | 4 |") in text
     assert (
-        "default-per-question server (`--gdn-prefill-backend triton --load-format "
+        "default-per-question server (`--load-format "
         "dummy --additional-config '{\"d3_state_once\": false}'`)"
     ) in text
 

@@ -1,7 +1,8 @@
 """GPU: the state cache through vLLM's engine, against the same requests uncached.
 
 The tiny checkpoint is served by ``vllm.LLM`` with prefix caching in a process
-of its own (``vllm_d3.testing.state_cache_reads``). A packed request computed
+of its own (``vllm_d3.testing.state_cache_reads``), on each Gated DeltaNet
+prefill kernel of ``GDN_KERNELS``. A packed request computed
 with nothing cached, then again after its state was read alone, must give the
 same logits, the second having taken tokens from the cache; so must each
 question's own prompt, read after it. The control reads a state alone with the
@@ -13,16 +14,27 @@ clearly.
 import pytest
 
 from vllm_d3.testing import state_cache_reads
-from vllm_d3.testing.own_process import TOLERANCE, logits_from_script, relative_error
+from vllm_d3.testing.own_process import (
+    GDN_KERNELS,
+    TOLERANCE,
+    logits_from_script,
+    relative_error,
+)
 from vllm_d3.testing.state_cache_reads import STATE
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def logits(make_checkpoint, tmp_path_factory):
+@pytest.fixture(scope="module", params=GDN_KERNELS)
+def logits(request, make_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("state-cache") / "logits.pt"
-    return logits_from_script(state_cache_reads.__file__, make_checkpoint(), out)
+    return logits_from_script(
+        state_cache_reads.__file__, make_checkpoint(), out, request.param
+    )
+
+
+def test_the_gdn_kernel_served(logits, served_kernel):
+    assert logits["gdn kernel"] == served_kernel
 
 
 @pytest.mark.parametrize("read", ["packed", "own prompts"])

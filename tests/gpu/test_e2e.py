@@ -6,10 +6,13 @@ One command on any CUDA machine with vLLM 0.33.0 and this package installed:
     VLLM_D3_FULL_VALIDATION=1 pytest -m gpu tests/gpu   # + 24K and 64K-token states
     VLLM_D3_VALIDATION_DTYPE=bfloat16 pytest -m gpu tests/gpu  # serve in another dtype
     VLLM_D3_VALIDATION_SERVE_ARGS="--tensor-parallel-size=2" pytest -m gpu tests/gpu
+    VLLM_D3_VALIDATION_GDN_PREFILL=triton pytest -m gpu tests/gpu  # Triton/FLA GDN
 
 ``VLLM_D3_VALIDATION_SERVE_ARGS`` (flags for both servers, e.g. a parallel mode
 that ``vllm.LLM`` does not run in one process) runs the HTTP part only; the
 tests of the in-process engines and start-up checks are then skipped.
+``VLLM_D3_VALIDATION_GDN_PREFILL`` serves every engine, in process and over
+HTTP, on that Gated DeltaNet prefill kernel instead of the default.
 
 The run (``benchmarks.validation``) also writes ``results.json`` and
 ``validation.md`` under ``VLLM_D3_VALIDATION_OUT`` (default: a pytest temp dir).
@@ -71,6 +74,7 @@ def results(tmp_path_factory):
         dtype=dtype,
         serve_args=SERVE_ARGS,
         http_only=HTTP_ONLY,
+        gdn_prefill_backend=os.environ.get("VLLM_D3_VALIDATION_GDN_PREFILL"),
     )
 
 

@@ -1,12 +1,15 @@
 """A GPU test's engine in a process of its own.
 
-``logits_from_script(script, checkpoint, out)`` runs ``script`` (a test file
-run as ``script CHECKPOINT OUT``) with vLLM's engine core in that process, so
+``logits_from_script(script, checkpoint, out, *args)`` runs ``script`` (a test
+file run as ``script CHECKPOINT OUT ARGS...``) with vLLM's engine core in that
+process, so
 that the script can change the plugin's behaviour per call, and returns the
 tensors it saved to ``out``; in the script, ``classify_tokens`` reads token
 prompts with their ``extra_kwargs`` and ``flat_logits`` joins the answers;
 ``relative_error`` compares two of them, within ``TOLERANCE`` where they
-read the same sequences.
+read the same sequences. ``GDN_KERNELS`` are the Gated DeltaNet prefill
+kernels a GPU test runs on: the default (vLLM's and the plugin's choice) and
+Triton/FLA forced.
 """
 
 import os
@@ -22,13 +25,16 @@ import torch
 TOKEN_IDS = (300, 1200)
 #: Of ``relative_error``, for the same sequences on float16 kernels.
 TOLERANCE = 2e-2
+#: ``--gdn-prefill-backend`` of each GPU test's engines ("auto": vLLM's and the
+#: plugin's choice, FlashInfer's on Hopper for the tiny checkpoint).
+GDN_KERNELS = ("auto", "triton")
 
 
-def logits_from_script(script: str, checkpoint: str, out: Path) -> dict:
+def logits_from_script(script: str, checkpoint: str, out: Path, *args: str) -> dict:
     done = subprocess.run(
         # -P: the script's folder is not put first on the path, where a module
         # of it (this package's ``requests``) would shadow a library's.
-        [sys.executable, "-P", script, checkpoint, str(out)],
+        [sys.executable, "-P", script, checkpoint, str(out), *args],
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         capture_output=True,
         text=True,

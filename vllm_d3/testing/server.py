@@ -1,14 +1,13 @@
 """``vllm serve`` on loopback for the demo, the validation and the benchmarks.
 
 - ``Server(checkpoint, *flags, log_file=...)`` starts ``vllm serve CHECKPOINT
-  --host 127.0.0.1 --port <free port>`` with ``SERVE_FLAGS`` and ``flags``, its
-  output in ``log_file`` (``environment``: variables to set for it);
+  --host 127.0.0.1 --port <free port>`` with ``flags``, its output in
+  ``log_file`` (``environment``: variables to set for it);
   ``wait()`` returns the seconds until ``/health`` answered, or raises
   ``ServerExited`` naming the log and its last error line (``last_error``) if
   the process ended first; leaving the ``with`` block stops it.
-- ``SERVE_FLAGS``: ``--gdn-prefill-backend triton`` (``GDN_PREFILL_BACKEND``), the
-  Gated DeltaNet prefill that every vLLM install has; a vLLM install without
-  FlashInfer's GDN kernels cannot start Qwen3.5 on Hopper otherwise.
+- ``TRITON_GDN_FLAGS``: the Gated DeltaNet prefill on Triton/FLA, for a side
+  that forces it by name (the default is the kernel vLLM and the plugin choose).
 - Every ``--additional-config`` among ``flags`` (``--additional-config JSON`` or
   ``--additional-config=JSON``) is merged into one, later keys winning
   (``merge_additional_config``): vLLM keeps only the last one given, so a
@@ -34,9 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-#: The Gated DeltaNet prefill kernel every serving run here uses.
-GDN_PREFILL_BACKEND = "triton"
-SERVE_FLAGS = ["--gdn-prefill-backend", GDN_PREFILL_BACKEND]
+TRITON_GDN_FLAGS = ["--gdn-prefill-backend", "triton"]
 ADDITIONAL_CONFIG_FLAG = "--additional-config"
 
 
@@ -116,7 +113,7 @@ class Server:
             "127.0.0.1",
             "--port",
             str(self.port),
-            *merge_additional_config([*SERVE_FLAGS, *flags]),
+            *merge_additional_config(list(flags)),
         ]
         with log_file.open("w") as output:
             self.process = subprocess.Popen(

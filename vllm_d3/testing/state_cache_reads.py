@@ -1,9 +1,11 @@
 """The state cache's reads through ``vllm.LLM``, run as a script in a process
 of its own (``own_process.logits_from_script``): ``python -m
-vllm_d3.testing.state_cache_reads CHECKPOINT OUT``.
+vllm_d3.testing.state_cache_reads CHECKPOINT OUT KERNEL``.
 
-``cached_and_uncached(checkpoint)`` serves a prefix_bidir checkpoint with
-prefix caching and returns each read's logits and the tokens it found cached
+``cached_and_uncached(checkpoint, kernel)`` serves a prefix_bidir checkpoint
+with prefix caching on the Gated DeltaNet prefill ``kernel`` (``auto``: vLLM's
+and the plugin's choice) and returns the kernel that served
+(``"gdn kernel"``), and each read's logits and the tokens it found cached
 (``"<read> cached"``): a packed request with nothing cached, then after its
 state was read alone, then each question's own prompt; the control reads the
 state alone with the key left out (``key_state_block`` not called), then a
@@ -13,6 +15,7 @@ takes the first state's blocks (``"other, unkeyed"``, against ``"other, uncached
 
 import random
 import sys
+from typing import Any
 
 import torch
 
@@ -21,19 +24,15 @@ from vllm_d3.testing.own_process import TOKEN_IDS, classify_tokens, flat_logits
 STATE, QUESTION, QUESTIONS = 700, 12, 4
 
 
-def cached_and_uncached(checkpoint: str) -> dict[str, torch.Tensor]:
+def cached_and_uncached(checkpoint: str, kernel: str) -> dict[str, Any]:
     """Each read's logits, and the tokens it found cached (``... cached``)."""
     from vllm import LLM
 
     import vllm_d3.patches
-    from vllm_d3.testing.server import GDN_PREFILL_BACKEND
+    from vllm_d3.testing.gdn_forms import served_gdn_prefill
 
-    llm = LLM(
-        model=checkpoint,
-        gdn_prefill_backend=GDN_PREFILL_BACKEND,
-        enable_prefix_caching=True,
-    )
-    found: dict[str, torch.Tensor] = {}
+    llm = LLM(model=checkpoint, gdn_prefill_backend=kernel, enable_prefix_caching=True)
+    found: dict[str, Any] = {"gdn kernel": served_gdn_prefill(llm)}
 
     def classify(name: str, prompts) -> None:
         outputs = classify_tokens(llm, prompts)
@@ -78,5 +77,5 @@ def another_token(token: int) -> int:
 
 
 if __name__ == "__main__":
-    checkpoint, out = sys.argv[1:]
-    torch.save(cached_and_uncached(checkpoint), out)
+    checkpoint, out, kernel = sys.argv[1:]
+    torch.save(cached_and_uncached(checkpoint, kernel), out)
