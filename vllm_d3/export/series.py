@@ -175,7 +175,7 @@ modes are unchanged.""",
         NewFile("model_executor/models/d3_prefix_bidir.py"),
         NewFile("v1/worker/gpu/model_states/d3_prefix_bidir.py"),
     ),
-    tests=("tests/test_model_state.py",),
+    tests=("tests/test_model_state.py", "tests/test_flashinfer_launches.py"),
     control="tests/test_model_state.py::test_model_state_resolution",
     backports=(
         "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
@@ -328,8 +328,9 @@ smaller):
 - left unset, it is on for prefix_bidir (EngineArgs' default, from the new
   d3_state_cache module's state_cache_by_default, marked as the default);
 - the config hook accepts it where the state is read once on the Triton or
-  FlashInfer GDN prefill and no KV connector is configured; otherwise it refuses it, naming
-  why, or, where it was the default, turns it off and logs why; it turns on
+  FlashInfer GDN prefill and no KV connector is configured; otherwise it
+  refuses it, naming why, or, where it was the default, turns it off and logs
+  why; it turns on
   chunked prefill, which prefix caching of a hybrid model asserts, while the
   token budget stays the one vLLM sized without chunking (at least
   max_model_len); it checks d3_state_cache_min_tokens and logs it;

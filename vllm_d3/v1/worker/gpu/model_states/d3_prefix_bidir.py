@@ -12,9 +12,9 @@ builders (``get_mm_prefix_ranges``): per row the state range, then one range
 per question block. The state reads itself both ways, each question reads the
 state and itself both ways, and the state never sees a question; a packed row
 only the dense-piece backend runs. Gated DeltaNet groups stay causal; in a
-step with packed rows they get the scans that restart every question from the
-state (``model_executor/layers/mamba/gdn``: one pass on FLA's chunked rule, two
-phases, or one scan of each question's own prompt).
+step with packed rows they get the metadata of the scans that restart every
+question from the state (``d3_packed_gdn.packed_step_metadata``: one pass on a
+prefill kernel that has one, two phases, or one scan per question).
 """
 
 from dataclasses import replace
