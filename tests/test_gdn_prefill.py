@@ -7,12 +7,10 @@ not (with the reason), the user's ``--gdn-prefill-backend`` first, and vLLM's
 choice on ROCm. Every process reads the kernel the hook wrote.
 """
 
-import sys
-
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_d3.testing.platforms import fake_gpu
+from vllm_d3.testing.platforms import fake_gpu, fake_mi300
 
 #: GDN heads of 64, which FlashInfer's SM90 kernel does not take.
 HEADS_64 = {"text_config": {"linear_key_head_dim": 64, "linear_value_head_dim": 64}}
@@ -89,18 +87,7 @@ def test_flashinfer_asked_for_heads_it_does_not_take_stops_start_up(
 def test_rocm_gets_vllm_choice(
     make_checkpoint, monkeypatch, hook_log, flydsl, expected
 ):
-    from vllm._aiter_ops import rocm_aiter_ops
-
-    from vllm_d3.v1.attention.backends import d3_kernel_check
-
-    fake_gpu(monkeypatch, "ROCm")
-    # The dense pieces' start-up check passes its first kernel (not run here).
-    monkeypatch.setattr(d3_kernel_check, "check_kernels", lambda names: (names[0], []))
-    # An MI300-class GPU, with or without AITER's FlyDSL prefill kernels.
-    monkeypatch.setattr(sys.modules["vllm.platforms.rocm"], "on_mi3xx", lambda: True)
-    monkeypatch.setattr(
-        rocm_aiter_ops, "is_gdn_flydsl_prefill_available", lambda: flydsl
-    )
+    fake_mi300(monkeypatch, flydsl)
     # FlyDSL takes bf16 models only.
     path = make_checkpoint(weights=False)
     assert served_kernel(path, dtype="bfloat16") == expected

@@ -373,26 +373,13 @@ def test_what_the_state_cache_cannot_run_with_is_refused(
     uncached_config(model, additional_config=dict(additional))
 
 
-@pytest.fixture
-def rocm_flydsl(monkeypatch):
-    """An MI300-class GPU whose Gated DeltaNet prefill vLLM puts on AITER
-    FlyDSL (a bf16 model), the dense pieces' start-up check passing."""
-    import sys
-
-    from vllm._aiter_ops import rocm_aiter_ops
-
-    from vllm_d3.testing.platforms import fake_gpu
-    from vllm_d3.v1.attention.backends import d3_kernel_check
-
-    fake_gpu(monkeypatch, "ROCm")
-    monkeypatch.setattr(sys.modules["vllm.platforms.rocm"], "on_mi3xx", lambda: True)
-    monkeypatch.setattr(rocm_aiter_ops, "is_gdn_flydsl_prefill_available", lambda: True)
-    monkeypatch.setattr(d3_kernel_check, "check_kernels", lambda names: (names[0], []))
-
-
 def test_a_gdn_prefill_whose_checkpoints_were_not_validated_is_refused(
-    make_checkpoint, rocm_flydsl, log
+    make_checkpoint, monkeypatch, log
 ):
+    from vllm_d3.testing.platforms import fake_mi300
+
+    # vLLM puts a bf16 model's Gated DeltaNet prefill on AITER FlyDSL there.
+    fake_mi300(monkeypatch, flydsl=True)
     model = make_checkpoint(weights=False)
     default = EngineArgs(model=model, dtype="bfloat16").create_engine_config()
     assert default.additional_config["gdn_prefill_backend"] == "aiter_flydsl"

@@ -4,6 +4,9 @@
 Gated DeltaNet prefill choice see a ``Platform`` of the family's enum and
 compute capability (CUDA runtime 13), with vLLM's FlashAttention extensions
 and Triton present; the test's ``monkeypatch`` undoes it.
+``fake_mi300(monkeypatch, flydsl)`` is an MI300-class ROCm GPU, with or without
+AITER's FlyDSL Gated DeltaNet prefill kernels, whose dense-piece start-up
+check passes its first kernel (it is not run here).
 """
 
 import sys
@@ -55,3 +58,18 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch, family: str) -> None:
     monkeypatch.setitem(sys.modules, package_name, package)
     monkeypatch.setitem(sys.modules, f"{package_name}.flash_attn_interface", interface)
     monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", True)
+
+
+def fake_mi300(monkeypatch: pytest.MonkeyPatch, flydsl: bool) -> None:
+    """An MI300-class ROCm GPU (``fake_gpu``), with or without AITER's FlyDSL
+    Gated DeltaNet prefill, the dense pieces' start-up check passing."""
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    from vllm_d3.v1.attention.backends import d3_kernel_check
+
+    fake_gpu(monkeypatch, "ROCm")
+    monkeypatch.setattr(sys.modules["vllm.platforms.rocm"], "on_mi3xx", lambda: True)
+    monkeypatch.setattr(
+        rocm_aiter_ops, "is_gdn_flydsl_prefill_available", lambda: flydsl
+    )
+    monkeypatch.setattr(d3_kernel_check, "check_kernels", lambda names: (names[0], []))
