@@ -78,9 +78,9 @@ MEDIA_SHARE = 0.25
 REPEATED = 3
 #: The long states' lengths in tokens (d3-turbo at --max-model-len 131072).
 LONG_TOKENS = (24_000, 117_000)
-#: The burst's longest states: 10 x 117K tokens is more than the 915K an H200's
-#: KV cache holds at d3-turbo's shape and --max-model-len 131072, and about 3
-#: minutes of its GPU.
+#: The burst's longest states: 10 x 117K tokens is more than the 915K tokens a
+#: 141 GB Hopper GPU's KV cache holds at d3-turbo's shape and --max-model-len
+#: 131072, and about 3 minutes of its GPU.
 BURST_STATES = 10
 #: How long a cancelled request runs before its client closes the connection.
 CANCEL_AFTER_S = (0.2, 3.0)

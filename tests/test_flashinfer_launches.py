@@ -14,6 +14,7 @@ the plugin adds: each launch's tokens, boundaries and initial states.
 import numpy as np
 import pytest
 import torch
+from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as vllm_gdn
 
 from vllm_d3.model_executor.layers.mamba.gdn import flashinfer_launches
 from vllm_d3.model_executor.models.d3_contract import StateBlock
@@ -119,7 +120,7 @@ def test_two_launches_answer_every_question_as_its_own_prompt(device, rows):
 def test_packed_rows_read_as_one_sequence_are_clearly_wrong(device):
     starts, _ = plan(MIXED, device)
     inputs = draw(int(starts[-1]), device)
-    out, _ = flashinfer_launches.fi_chunk_gated_delta_rule(
+    out, _ = vllm_gdn.fi_chunk_gated_delta_rule(
         *(x[None] for x in inputs),
         initial_state=zero_states(len(MIXED), device),
         output_final_state=True,

@@ -10,7 +10,7 @@ choice on ROCm. Every process reads the kernel the hook wrote.
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_d3.testing.platforms import fake_gpu, fake_mi300
+from vllm_d3.testing.platforms import fake_cdna3, fake_gpu
 
 #: GDN heads of 64, which FlashInfer's SM90 kernel does not take.
 HEADS_64 = {"text_config": {"linear_key_head_dim": 64, "linear_value_head_dim": 64}}
@@ -87,7 +87,7 @@ def test_flashinfer_asked_for_heads_it_does_not_take_stops_start_up(
 def test_rocm_gets_vllm_choice(
     make_checkpoint, monkeypatch, hook_log, flydsl, expected
 ):
-    fake_mi300(monkeypatch, flydsl)
+    fake_cdna3(monkeypatch, flydsl)
     # FlyDSL takes bf16 models only.
     path = make_checkpoint(weights=False)
     assert served_kernel(path, dtype="bfloat16") == expected

@@ -9,7 +9,7 @@ later requests ask it for their longest hit. In the manager's tests the first
 request is computed in chunks that end at 32 and 48, so that the Gated DeltaNet
 states there are cached; the scheduler's tests take vLLM's prefill checkpoint
 instead, which a state-only request puts at its state's last whole block
-(docs/state-cache.md). The controls ask without the key, without the limit or
+(docs/design.md). The controls ask without the key, without the limit or
 with vLLM's own scheduler: blocks whose contents differ are then shared, or a
 prompt is cut.
 """
@@ -221,7 +221,7 @@ def test_no_hit_reaches_a_states_end():
 def test_one_step_caches_no_state_inside_the_state_today(
     checkpoint: bool, identical_hit: int
 ):
-    # What the state cache must change (docs/state-cache.md): computed in one
+    # What the state cache must change (docs/design.md): computed in one
     # step, a prompt leaves no Gated DeltaNet state cached inside its state
     # block. Without a prefill checkpoint none is cached at all; with one it
     # sits at the prompt's last whole block, among the questions.
@@ -376,10 +376,10 @@ def test_what_the_state_cache_cannot_run_with_is_refused(
 def test_a_gdn_prefill_whose_checkpoints_were_not_validated_is_refused(
     make_checkpoint, monkeypatch, log
 ):
-    from vllm_d3.testing.platforms import fake_mi300
+    from vllm_d3.testing.platforms import fake_cdna3
 
     # vLLM puts a bf16 model's Gated DeltaNet prefill on AITER FlyDSL there.
-    fake_mi300(monkeypatch, flydsl=True)
+    fake_cdna3(monkeypatch, flydsl=True)
     model = make_checkpoint(weights=False)
     default = EngineArgs(model=model, dtype="bfloat16").create_engine_config()
     assert default.additional_config["gdn_prefill_backend"] == "aiter_flydsl"

@@ -253,7 +253,7 @@ DENSE_ATTENTION = Patch(
     body="""\
 A prefix_bidir row is not causal attention, and the ranged Triton kernel that
 applies its ranges scans every key for every query (about 50 TFLOP/s on long
-prompts on an H200). prefix_bidir refuses chunked prefill and prefix caching,
+prompts on a Hopper GPU). prefix_bidir refuses chunked prefill and prefix caching,
 so a ranged row is computed whole in one step and its mask is two passes of
 plain non-causal attention over the step's own keys and values: every range
 (the state, each question block) over itself, and each row's question rows
@@ -321,7 +321,7 @@ A prefix_bidir state block's keys, values and Gated DeltaNet states depend on
 the whole state block and nothing else, so a request whose whole state was
 read before may take them from the prefix cache and compute only its
 questions. --enable-prefix-caching is refused for prefix_bidir today; serve it
-as that cache, on by default (measured on an H100: a state asked again 20x
+as that cache, on by default (measured on a Hopper GPU: a state asked again 20x
 faster, pages of 4 requests 3.5x, a short miss no slower, a KV cache 6%
 smaller):
 

@@ -4,7 +4,7 @@
 Gated DeltaNet prefill choice see a ``Platform`` of the family's enum and
 compute capability (CUDA runtime 13), with vLLM's FlashAttention extensions
 and Triton present; the test's ``monkeypatch`` undoes it.
-``fake_mi300(monkeypatch, flydsl)`` is an MI300-class ROCm GPU, with or without
+``fake_cdna3(monkeypatch, flydsl)`` is a CDNA 3 ROCm GPU (gfx942), with or without
 AITER's FlyDSL Gated DeltaNet prefill kernels, whose dense-piece start-up
 check passes its first kernel (it is not run here).
 """
@@ -48,8 +48,8 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch, family: str) -> None:
     for module in (d3_dense_kernels, qwen_gdn_linear_attn):
         monkeypatch.setattr(module, "current_platform", FakePlatform())
     if enum == PlatformEnum.ROCM:
-        # vLLM's ROCm module probes the GPU at import: a ROCm GPU of no MI300
-        # class, which a test may replace.
+        # vLLM's ROCm module probes the GPU at import: a ROCm GPU outside the
+        # MI3xx family it names (``on_mi3xx``), which a test may replace.
         rocm = types.SimpleNamespace(on_mi3xx=lambda: False)
         monkeypatch.setitem(sys.modules, "vllm.platforms.rocm", rocm)
     interface = types.SimpleNamespace(FA2_AVAILABLE=True, FA3_AVAILABLE=True)
@@ -60,8 +60,8 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch, family: str) -> None:
     monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", True)
 
 
-def fake_mi300(monkeypatch: pytest.MonkeyPatch, flydsl: bool) -> None:
-    """An MI300-class ROCm GPU (``fake_gpu``), with or without AITER's FlyDSL
+def fake_cdna3(monkeypatch: pytest.MonkeyPatch, flydsl: bool) -> None:
+    """A CDNA 3 ROCm GPU (``fake_gpu``), with or without AITER's FlyDSL
     Gated DeltaNet prefill, the dense pieces' start-up check passing."""
     from vllm._aiter_ops import rocm_aiter_ops
 

@@ -290,8 +290,8 @@ def _select_allocator(vllm_config: "VllmConfig") -> None:
     says), so a step holds up to ``max_num_batched_tokens`` (``max_model_len``
     or more) tokens, and consecutive steps differ widely in size: a step's
     activations (4.25 GiB for one MLP buffer of a full 131,072-token step at
-    d3-turbo's shape) may not fit the fixed segments the steps before left. On
-    an H200 a 64-client text mix stopped the engine with 12-13 GiB reserved but
+    d3-turbo's shape) may not fit the fixed segments the steps before left: a
+    64-client text mix once stopped the engine with 12-13 GiB reserved but
     unallocated.
     """
     conf = alloc_conf_from_env()

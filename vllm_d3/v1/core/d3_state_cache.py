@@ -5,16 +5,14 @@ the scheduler's rules for a request that carries a state block size
 (upstream: ``v1/core/d3_state_cache.py``, a new file).
 
 A state block's keys, values and Gated DeltaNet states depend on the whole
-state block, which its key covers (``d3_state_key.py``); a block past the
-state holds question tokens, which read their whole question.
-Prefix caching left unset is on for prefix_bidir (``state_cache_by_default``).
+state block, which its key covers (``d3_state_key.py``). Prefix caching left
+unset is on for prefix_bidir (``state_cache_by_default``);
 ``select_state_cache`` serves it as that cache, or refuses the settings it
 cannot run with (where it was the default: turns it off); the input processor
-keys every
-request by its whole state (``key_state_block``); the scheduler keeps a hit
-strictly inside the state (``bounded_hit``), reads a prompt whole or not at
-all (``whole_or_waits``) and queues a request whose state is cached ahead of
-those that would read theirs (``cached_states_first``).
+keys every request by its whole state (``key_state_block``); the scheduler
+keeps a hit strictly inside the state (``bounded_hit``), reads a prompt whole
+or not at all (``whole_or_waits``) and queues a request whose state is cached
+ahead of those that would read theirs (``cached_states_first``).
 """
 
 import hashlib
@@ -63,7 +61,7 @@ def state_cache_by_default(
 ) -> None:
     """Turn prefix caching on for a prefix_bidir checkpoint whose user left it
     unset (vLLM resolved it to off, as for any hybrid pooling model), marked
-    as the default; docs/state-cache.md has the measurements behind it."""
+    as the default; docs/performance.md has the measurements behind it."""
     if not is_prefix_bidir(decision_config_of(model_config.hf_config)):
         return
     engine_args.enable_prefix_caching = True

@@ -69,10 +69,9 @@ QUESTIONS_PER_SCAN = 64
 #: (each row's state once per question after its first) sum to at most this many
 #: tokens, runs its Gated DeltaNet as that one scan, each question block after
 #: its row's state again: the same sequences as one prompt per question, so the
-#: same answers. Phase B is a second pass through the layer's host code; a short
-#: step waits on the host (4 questions of 92 tokens on a 280-token state: 139 ms
-#: in two phases, 90 ms for the same tokens in one block, one H200), while these
-#: tokens add about 9 ms of GPU time to d3-turbo's 48 layers. Slots are then
+#: same answers. Phase B is a second pass through the layer's host code, which
+#: costs a short step more than these tokens cost the GPU (docs/performance.md,
+#: ``benchmarks.packed_step``). Slots are then
 #: not written: the final states of a prompt that ran whole are never read (no
 #: prefix-cache hit reaches a packed prompt's questions, and a step with
 #: prefill checkpoints to write runs in two phases).

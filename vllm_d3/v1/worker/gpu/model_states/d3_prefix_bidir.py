@@ -9,12 +9,11 @@ vLLM picks for Qwen3.5, keeping its hybrid bookkeeping. It keeps each request's
 request's questions the M-RoPE positions they have in their own prompt
 ``state || qi``, and hands the step's PrefixLM ranges to the attention
 builders (``get_mm_prefix_ranges``): per row the state range, then one range
-per question block. The state reads itself both ways, each question reads the
-state and itself both ways, and the state never sees a question; a packed row
-only the dense-piece backend runs. Gated DeltaNet groups stay causal; in a
-step with packed rows they get the metadata of the scans that restart every
-question from the state (``d3_packed_gdn.packed_step_metadata``: one pass on a
-prefill kernel that has one, two phases, or one scan per question).
+per question block (a packed row only the dense-piece backend runs). Gated
+DeltaNet groups stay causal; in a step with packed rows they get the metadata
+of the scans that restart every question from the state
+(``d3_packed_gdn.packed_step_metadata``: one pass on a prefill kernel that has
+one, two phases, or one scan per question).
 """
 
 from dataclasses import replace
