@@ -64,6 +64,7 @@ from vllm_d3.testing.gdn_forms import gdn_form, served_gdn_prefill
 from vllm_d3.testing.tiny_checkpoint import write_tiny_checkpoint
 
 from .gpu_timeline import timeline
+from .timing import run_record
 from .validation import VALIDATED_LENGTH
 
 #: The ways that send a packed request, by the Gated DeltaNet form each asks
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(
         json.dumps(
             {
+                "run": run_record(),
                 "layers": args.layers,
                 "copies": args.copies,
                 "gdn_prefill_backend": served_gdn_prefill(llm),

@@ -63,7 +63,7 @@ from vllm_d3.testing.requests import (
 from vllm_d3.testing.server import Server
 
 from .startup import package
-from .timing import log
+from .timing import log, run_record
 from .validation import LONG_MAX_MODEL_LEN, bad_inputs
 from .vllm_side import gpu_memory_used_mib, metric_sums, serve_flags
 
@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-arg", action="append", default=[])
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = serve_and_drive(args)
+    results = {"run": run_record(), **serve_and_drive(args)}
     (args.out / "soak.json").write_text(json.dumps(results, indent=1))
     (args.out / "soak.md").write_text(report(results))
     plot(results, args.out / "soak.png")

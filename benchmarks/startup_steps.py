@@ -44,6 +44,7 @@ from typing import Any
 from vllm_d3.testing.gdn_forms import served_gdn_prefill
 
 from .packed_step import write_package
+from .timing import run_record
 
 #: (module, attribute path) of each wrapped step.
 STEPS = (
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         engine_s = time.perf_counter() - started
     result = {
+        "run": run_record(),
         "checkpoint": str(args.checkpoint) if args.checkpoint else None,
         "layers": args.layers,
         "max_model_len": args.max_model_len,

@@ -60,7 +60,7 @@ from vllm_d3.testing.server import Server
 
 from .rows import ROWS_BY_ID, row_requests
 from .startup import package
-from .timing import log
+from .timing import log, run_record
 from .validation import (
     build_checkpoints,
     scaled_sets,
@@ -413,6 +413,7 @@ def write_summary(out: Path, done: dict[str, Any]) -> bool:
     if len(parts) < len(PARTS):
         return False
     results = {
+        "run": run_record(),
         "summary": summary(parts["answers"], parts["control"], parts["speed"]),
         **{part: parts[part] for part in PARTS},
     }

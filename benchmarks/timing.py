@@ -12,6 +12,9 @@ Contract:
   longer than what is left. The estimate scales the p50 of the last long row
   passed to ``measured(row, p50)`` by questions x (state tokens)^2, an upper
   bound: a pass grows between linearly and quadratically with its length.
+- ``run_record()``: what every results file records of its run: the date
+  (UTC), the commit of the checkout it ran from (``None`` outside one) and the
+  GPU (``"none"`` without CUDA).
 - ``measure(call, requests, warmup=..., budget=...)`` calls ``call(request)``
   on the first ``warmup`` requests untimed, then times each of the others.
   Once the first timed call is done, another one starts only while the budget
@@ -22,9 +25,12 @@ Contract:
 from __future__ import annotations
 
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from .rows import Row
@@ -132,3 +138,19 @@ def measure(
         result.outputs.append(call(request))
         result.times_s.append(time.perf_counter() - started)
     return result
+
+
+def run_record() -> dict[str, Any]:
+    """The date, the commit and the GPU of this run (module docstring)."""
+    import torch
+
+    here = Path(__file__).parent
+    done = subprocess.run(
+        ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    cuda = torch.cuda.is_available()
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": done.stdout.strip() if done.returncode == 0 else None,
+        "gpu": torch.cuda.get_device_name(0) if cuda else "none",
+    }

@@ -90,6 +90,8 @@ from vllm_d3.testing.server import (
     served_max_model_len,
 )
 
+from .timing import run_record
+
 LONG_MAX_MODEL_LEN = 131072
 #: What the zstd body sent to check the decompression limit decodes to.
 BOMB_BYTES = 2**30
@@ -753,13 +755,13 @@ def _table(rows: list[tuple[str, dict]], table: str) -> list[str]:
 
 
 def versions() -> dict[str, str]:
-    """The GPU and the versions a measured run reports."""
+    """The run (date, commit, GPU) and the versions a measured run reports."""
     import torch
     import transformers
     import vllm
 
     return {
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        **run_record(),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +34,7 @@ from benchmarks.rows import (
     row_requests,
     select,
 )
-from benchmarks.timing import Budget, RowGate
+from benchmarks.timing import Budget, RowGate, run_record
 from vllm_d3.testing.server import merge_additional_config
 
 CUDA = torch.cuda.is_available()
@@ -1118,3 +1120,19 @@ def test_the_state_cache_summary_takes_the_parts_earlier_runs_wrote(tmp_path):
     assert written["summary"]["pages_per_s_cached"] == 0.7
     assert written["control"] == {"control_max_dp": 0.3}
     assert "| control_max_dp | 0.3 |" in (tmp_path / "state-cache.md").read_text()
+
+
+def test_every_run_records_its_date_commit_and_gpu():
+    record = run_record()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert record["commit"] == head.stdout.strip()
+    when = datetime.fromisoformat(record["date"])
+    assert abs(datetime.now(timezone.utc) - when) < timedelta(minutes=1)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    assert record["gpu"] == gpu
