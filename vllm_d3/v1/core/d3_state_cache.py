@@ -24,9 +24,6 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.utils import tensor_data
 
 from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
-from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
-    STATE_CACHE_GDN_PREFILLS,
-)
 from vllm_d3.model_executor.models.d3_contract import (
     STATE_CACHE_MIN_TOKENS_KEY,
     STATE_TOKENS_KEY,
@@ -135,6 +132,12 @@ def serves_state_cache(vllm_config: "VllmConfig") -> bool:
 
 def _state_cache_refused(vllm_config: "VllmConfig") -> str | None:
     """Why the settings cannot serve the state cache, or ``None``."""
+    # The layers' module, imported where it is needed: the scheduler imports
+    # this one.
+    from vllm_d3.model_executor.layers.mamba.gdn.packed_questions import (
+        STATE_CACHE_GDN_PREFILLS,
+    )
+
     extra = vllm_config.additional_config
     if not isinstance(extra, dict) or not state_once_decided(extra):
         return (

@@ -14,7 +14,6 @@ state block, gathered on the device (no host round trip in between).
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 
 if TYPE_CHECKING:
     from vllm_d3.v1.attention.backends.d3_packed_gdn import Launch, SplitRecurrence
@@ -34,8 +33,12 @@ def _run(
         x[:, tokens] if isinstance(tokens, slice) else x.index_select(1, tokens)
         for x in inputs
     )
-    # Read at the call: in-tree that module imports this one.
-    o, final_state = qwen_gdn_linear_attn.fi_chunk_gated_delta_rule(
+    # Imported at the call: in-tree, vLLM's layer module imports this one.
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        fi_chunk_gated_delta_rule,
+    )
+
+    o, final_state = fi_chunk_gated_delta_rule(
         q=q,
         k=k,
         v=v,
