@@ -91,6 +91,17 @@ def process_group():
 
 
 @pytest.fixture
+def hook_log(monkeypatch):
+    """The config hook's INFO lines. (vLLM configures logging during the first
+    config it builds, which resets the handlers of loggers under its own.)"""
+    from vllm_d3.model_executor.models import d3_serving as hook
+
+    lines: list[str] = []
+    monkeypatch.setattr(hook.logger, "info", lambda msg, *a: lines.append(msg % a))
+    return lines
+
+
+@pytest.fixture
 def hopper(monkeypatch):
     """A Hopper GPU with vLLM's FlashAttention 3, where the dense-piece kernels
     were validated (no start-up check)."""

@@ -253,17 +253,6 @@ def engine_config(path, **kwargs):
 
 
 @pytest.fixture
-def hook_log(monkeypatch):
-    """The config hook's INFO lines. (vLLM configures logging during the first
-    config it builds, which resets the handlers of loggers under its own.)"""
-    from vllm_d3.model_executor.models import d3_serving as hook
-
-    lines: list[str] = []
-    monkeypatch.setattr(hook.logger, "info", lambda msg, *a: lines.append(msg % a))
-    return lines
-
-
-@pytest.fixture
 def checks(monkeypatch):
     """The start-up checks asked for; each passes unless a test says otherwise."""
     asked: list[list[str]] = []

@@ -16,15 +16,6 @@ from vllm_d3.testing.platforms import fake_cdna3, fake_gpu
 HEADS_64 = {"text_config": {"linear_key_head_dim": 64, "linear_value_head_dim": 64}}
 
 
-@pytest.fixture
-def hook_log(monkeypatch):
-    from vllm_d3.model_executor.models import d3_serving as hook
-
-    lines: list[str] = []
-    monkeypatch.setattr(hook.logger, "info", lambda msg, *a: lines.append(msg % a))
-    return lines
-
-
 def served_kernel(path: str, **kwargs) -> str:
     config = EngineArgs(model=path, max_model_len=4096, **kwargs)
     return config.create_engine_config().additional_config["gdn_prefill_backend"]

@@ -228,25 +228,24 @@ def _select_gdn_prefill(vllm_config: "VllmConfig") -> None:
         getattr(text_config, "linear_key_head_dim", None),
         getattr(text_config, "linear_value_head_dim", None),
     ]
-    runs_flashinfer = head_dims == [FLASHINFER_HEAD_DIM] * 2
-    if requested != "auto":
-        if kernel == FLASHINFER_GDN_PREFILL and not runs_flashinfer:
+    if kernel == FLASHINFER_GDN_PREFILL and head_dims != [FLASHINFER_HEAD_DIM] * 2:
+        if requested != "auto":
             raise ValueError(
                 f"--gdn-prefill-backend {requested} cannot serve this checkpoint: "
                 f"FlashInfer's Gated DeltaNet prefill takes head dim "
                 f"{FLASHINFER_HEAD_DIM}, this checkpoint's are {head_dims} "
                 f"(linear_key_head_dim, linear_value_head_dim)"
             )
-        why = f"--gdn-prefill-backend {requested} was chosen"
-        if kernel != requested:
-            why += f", which vLLM runs as {kernel} on this GPU"
-    elif kernel == FLASHINFER_GDN_PREFILL and not runs_flashinfer:
         kernel = TRITON_GDN_PREFILL
         why = (
             f"vLLM's choice on this GPU, FlashInfer, takes head dim "
             f"{FLASHINFER_HEAD_DIM} only, and this checkpoint's are "
             f"{head_dims}"
         )
+    elif requested != "auto":
+        why = f"--gdn-prefill-backend {requested} was chosen"
+        if kernel != requested:
+            why += f", which vLLM runs as {kernel} on this GPU"
     else:
         why = "vLLM's choice on this GPU"
     extra[GDN_PREFILL_BACKEND_KEY] = kernel

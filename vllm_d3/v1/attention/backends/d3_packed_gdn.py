@@ -647,7 +647,8 @@ def _plan(
     def on_device(values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values.astype(np.int64)).to(device)
 
-    def launch(sequences: np.ndarray) -> Launch:
+    def launch(sequences: np.ndarray, on_gpu: torch.Tensor) -> Launch:
+        """``sequences`` as one launch (``on_gpu``: them on the device)."""
         cu_seqlens = np.zeros(len(sequences) + 1, dtype=np.int64)
         np.cumsum(lens[sequences], out=cu_seqlens[1:])
         spans = [np.arange(starts[i], starts[i] + lens[i]) for i in sequences]
@@ -655,19 +656,24 @@ def _plan(
         return Launch(
             tokens=phase_tokens(tokens, device),
             cu_seqlens=on_device(cu_seqlens),
-            sequences=on_device(sequences),
+            sequences=on_gpu,
         )
 
     opening = np.flatnonzero(restarts == 0)
+    # The question sequences on the device once, for either rule.
+    questions_on_gpu = on_device(questions)
     return SplitRecurrence(
         metadata=common_metadata(
             lens, restarts + lens, scratch_slots(len(starts), device), device
         ),
-        questions=on_device(questions),
+        questions=questions_on_gpu,
         question_slots=on_device(questions + 1),
         sources=on_device(np.asarray(sources)),
         window_tokens=on_device(window),
-        launches=(launch(opening), launch(questions)),
+        launches=(
+            launch(opening, on_device(opening)),
+            launch(questions, questions_on_gpu),
+        ),
         launch_sources=on_device(np.searchsorted(opening, sources)),
     )
 
