@@ -9,6 +9,7 @@ then answers it without an engine.
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -50,11 +51,9 @@ def test_vllm_loads_the_plugin_once_per_process():
         "import vllm.plugins as p\n"
         "p.load_general_plugins(); p.load_general_plugins()\n"
         "import vllm_d3; vllm_d3.register()\n"
-        "from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES\n"
         "from vllm.model_executor.models.config import MODELS_CONFIG_MAP\n"
         "from vllm import ModelRegistry\n"
         "arch = 'D3ForSequenceClassification'\n"
-        "print('strategy', READ_STRATEGIES[arch].__module__)\n"
         "print('config', MODELS_CONFIG_MAP[arch].__module__)\n"
         "print('model', ModelRegistry.models[arch].module_name)\n"
     )
@@ -67,7 +66,7 @@ def test_vllm_loads_the_plugin_once_per_process():
     assert "patch vllm.v1.engine.input_processor.InputProcessor.process_inputs" in logs
     assert "patch vllm.entrypoints.launchers.app.init_entrypoints_middleware" in logs
     assert "patch vllm.config.vllm.VllmConfig.validate_block_size" in logs
-    assert "strategy vllm_d3.entrypoints.openai.decisions.strategies" in logs
+    assert "patch vllm.entrypoints.openai.decisions.state.select_read_strategy" in logs
     assert "config vllm_d3.model_executor.models.config" in logs
     assert "model vllm_d3.model_executor.models.d3" in logs
 
@@ -160,8 +159,14 @@ def test_packed_requests_need_state_once(prefix_bidir_front_end):
 
 @pytest.mark.parametrize("ends", [[8, 11], [5, 12], [13], "12"])
 def test_bad_question_ends_are_client_errors(prefix_bidir_front_end, ends):
+    # The contract's own error, not the one-question-per-request one (which
+    # also names the field): [5, 12]'s first question block is empty.
     processor, _ = prefix_bidir_front_end
-    with pytest.raises(VLLMClientError, match="d3_question_ends"):
+    rule = (
+        "d3_question_ends must be a non-empty list of ints increasing from above "
+        f"d3_state_tokens=5 to the prompt length 12, not {ends!r}"
+    )
+    with pytest.raises(VLLMClientError, match=re.escape(rule)):
         classify(processor, 12, {"d3_state_tokens": 5, "d3_question_ends": ends})
 
 

@@ -15,6 +15,8 @@ prompt is cut.
 """
 
 import sys
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -745,3 +747,25 @@ def test_align_mode_takes_the_platforms_media_rule(make_checkpoint, hopper):
     causal.scheduler_config.disable_chunked_mm_input = True
     with pytest.raises(AssertionError, match="Chunked MM input is required"):
         causal.validate_block_size()
+
+
+def test_block_size_check_reads_only_its_own_fields_on_other_configs():
+    # vLLM's tests call the check on stand-ins that carry only the fields it
+    # reads (no model config): the plugin's wrapper reads no more of them, and
+    # the check raises (or passes) as it would without the plugin.
+    def stand_in(mamba_cache_mode: str, interleave: int) -> Any:
+        return SimpleNamespace(
+            cache_config=SimpleNamespace(
+                block_size=16, mamba_cache_mode=mamba_cache_mode
+            ),
+            parallel_config=SimpleNamespace(
+                decode_context_parallel_size=2,
+                cp_kv_cache_interleave_size=interleave,
+            ),
+            scheduler_config=SimpleNamespace(disable_chunked_mm_input=False),
+            kv_transfer_config=None,
+        )
+
+    VllmConfig.validate_block_size(stand_in("align", 4))
+    with pytest.raises(AssertionError, match="divisible by cp_kv_cache_interleave"):
+        VllmConfig.validate_block_size(stand_in("none", 3))

@@ -17,8 +17,10 @@ import pytest
 import torch
 from PIL import Image
 from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.openai.decisions import state as decisions_state
+from vllm.entrypoints.openai.decisions import strategies as upstream
 from vllm.entrypoints.openai.decisions.question_types import build_question
-from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES, ReadContext
+from vllm.entrypoints.openai.decisions.strategies import ReadContext
 from vllm.pooling_params import PoolingParams
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.renderers.registry import renderer_from_config
@@ -150,7 +152,10 @@ def make_strategy(
         chat_template_content_format="auto",
         default_chat_template_kwargs={},
     )
-    strategy_cls = READ_STRATEGIES[config.model_config.architecture]
+    # The strategy the front end's decisions state selects.
+    strategy_cls = decisions_state.select_read_strategy(
+        config.model_config, ("classify",)
+    )
     return strategy_cls(context), engine
 
 
@@ -302,6 +307,36 @@ def test_other_modes_read_as_before(make_checkpoint, mode):
     temperature = strategy.temperature
     weights = [math.exp(v / temperature) for v in engine.logits.tolist()[:3]]
     assert reads[1].probs == pytest.approx([w / sum(weights) for w in weights])
+
+
+@pytest.mark.plugin
+@pytest.mark.parametrize(
+    ("mode", "decision", "plugins"),
+    [
+        ("prefix_bidir", {}, True),
+        ("causal", {"temperature_by_questions": ULTRA}, True),
+        ("causal", {}, False),
+        ("noncausal_full_attention", {}, False),
+    ],
+)
+def test_the_plugin_reads_only_checkpoints_that_need_state_blocks(
+    make_checkpoint, mode, decision, plugins
+):
+    # prefix_bidir and a temperature by question count need the plugin's
+    # reads; every other D3 checkpoint is read by vLLM 0.33.0's own class.
+    path = make_checkpoint(
+        attention_mode=mode, weights=False, decision_overrides=decision
+    )
+    model_config = EngineArgs(model=path, max_model_len=4096).create_model_config()
+    chosen = decisions_state.select_read_strategy(model_config, ("classify",))
+    if plugins:
+        assert chosen is not upstream.D3Strategy
+        assert issubclass(chosen, upstream.D3Strategy)
+    else:
+        assert chosen is upstream.D3Strategy
+    # The task vLLM checks stays checked.
+    with pytest.raises(ValueError, match="need the classify task"):
+        decisions_state.select_read_strategy(model_config, ("embed",))
 
 
 @pytest.mark.plugin

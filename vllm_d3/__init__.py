@@ -3,9 +3,9 @@
 ``register``, the ``vllm.general_plugins`` entry point, runs in every process
 vLLM starts and is idempotent. Through vLLM's registries it installs the D3
 model, its config contract, the checkpoint detection (``is_mm_prefix_lm`` for
-prefix_bidir), the read strategy, the dense-piece attention backend as
-``CUSTOM`` (unless another plugin owns it) and the patches of
-``vllm_d3.patches``, and logs what it installed (``registration`` keeps the
+prefix_bidir), the dense-piece attention backend as ``CUSTOM`` (unless another
+plugin owns it) and the patches of ``vllm_d3.patches`` (the read strategy
+among them), and logs what it installed (``registration`` keeps the
 record). A vLLM other than ``SUPPORTED_VLLM``.x is refused before anything is
 installed: the hooks reach into that release's internals (docs/upstream.md).
 """
@@ -33,7 +33,6 @@ def register() -> None:
 
     check_vllm_version(vllm.__version__)
     from vllm import ModelRegistry
-    from vllm.entrypoints.openai.decisions.strategies import READ_STRATEGIES
     from vllm.logger import init_logger
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.transformers_utils.model_arch_config_convertor import (
@@ -45,7 +44,6 @@ def register() -> None:
     )
 
     from . import patches
-    from .entrypoints.openai.decisions.strategies import D3Strategy
     from .model_executor.models.config import D3ForSequenceClassificationConfig
     from .transformers_utils.model_arch_config_convertor import (
         D3Qwen3_5ModelArchConfigConvertor,
@@ -56,13 +54,11 @@ def register() -> None:
     )
     MODELS_CONFIG_MAP[ARCHITECTURE] = D3ForSequenceClassificationConfig
     MODEL_ARCH_CONFIG_CONVERTORS["qwen3_5"] = D3Qwen3_5ModelArchConfigConvertor
-    READ_STRATEGIES[ARCHITECTURE] = D3Strategy
     installed.extend(
         [
             f"ModelRegistry[{ARCHITECTURE}]",
             f"MODELS_CONFIG_MAP[{ARCHITECTURE}]",
             "MODEL_ARCH_CONFIG_CONVERTORS[qwen3_5]",
-            f"READ_STRATEGIES[{ARCHITECTURE}]",
             *(f"patch {name}" for name in patches.apply()),
         ]
     )

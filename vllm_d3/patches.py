@@ -1,13 +1,15 @@
-"""The plugin's five patches of vLLM functions (``PATCHES``); ``apply`` is
+"""The plugin's six patches of vLLM functions (``PATCHES``); ``apply`` is
 idempotent. All but the middleware's are no-ops unless the served model is a
-D3 ``prefix_bidir`` checkpoint: ``/classify`` and ``/pooling`` carry
+D3 ``prefix_bidir`` checkpoint (the read strategy's also for d3-ultra's
+temperature by question count): ``/classify`` and ``/pooling`` carry
 ``d3_state_tokens``; every request is checked (and, with prefix caching, keyed
 by its whole state) in the input processor; /v1/systemone's body middleware
-goes ahead of vLLM's; with the state cache, align mode's demand for chunked
-media input is waived and an unset ``--enable-prefix-caching`` is on. Each
-wrapper says what it changes. (Each Gated DeltaNet layer's ``_forward_core``
-is also replaced, on its instance: ``qwen_gdn_linear_attn.py``.)
-docs/upstream.md says why no hook reaches them.
+goes ahead of vLLM's; its reads go to the plugin's read strategy; with the
+state cache, align mode's demand for chunked media input is waived and an
+unset ``--enable-prefix-caching`` is on. Each wrapper says what it changes.
+(Each Gated DeltaNet layer's ``_forward_core`` is also replaced, on its
+instance: ``qwen_gdn_linear_attn.py``.) docs/upstream.md says why no hook
+reaches them.
 """
 
 from argparse import Namespace
@@ -17,12 +19,14 @@ from types import ModuleType
 from typing import Any
 
 import vllm.entrypoints.launchers.app as launchers_app
+import vllm.entrypoints.openai.decisions.state as decisions_state
 from fastapi import FastAPI
 from vllm.config import ModelConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
 from vllm.v1.engine.input_processor import InputProcessor
 
+from .entrypoints.openai.decisions.strategies import read_strategy_for
 from .entrypoints.pooling.d3_state_tokens import (
     check_state_blocks,
     with_state_tokens,
@@ -83,6 +87,19 @@ def _wrap_init_entrypoints_middleware(original: Callable) -> Callable:
     return init_entrypoints_middleware
 
 
+def _wrap_select_read_strategy(original: Callable) -> Callable:
+    """``select_read_strategy``, as ``entrypoints/openai/decisions/state.py``
+    names it: a D3 checkpoint whose reads need state blocks is read by the
+    plugin's ``D3Strategy``; every other model keeps vLLM's choice
+    (``read_strategy_for``)."""
+
+    @wraps(original)
+    def select_read_strategy(model_config: ModelConfig, supported_tasks: Any) -> type:
+        return read_strategy_for(model_config, original(model_config, supported_tasks))
+
+    return select_read_strategy
+
+
 def _wrap_validate_block_size(original: Callable) -> Callable:
     """``VllmConfig.validate_block_size``: with the state cache, align mode's
     demand for chunked media input (which CUDA and ROCm turn off for a
@@ -90,12 +107,18 @@ def _wrap_validate_block_size(original: Callable) -> Callable:
 
     @wraps(original)
     def validate_block_size(self: VllmConfig) -> None:
-        if not serves_state_cache(self):
+        # Nothing past the fields vLLM's check reads unless it would refuse:
+        # vLLM's own tests call it on stand-ins that carry only those.
+        scheduler_config = self.scheduler_config
+        refused = (
+            self.cache_config.mamba_cache_mode == "align"
+            and scheduler_config.disable_chunked_mm_input
+        )
+        if not refused or not serves_state_cache(self):
             return original(self)
         # Align mode asks for chunked media input so as to end a chunk on a
         # block inside a media item; the state cache's scheduler never cuts a
         # prefix_bidir prompt, so the platform's choice stands, unchecked.
-        scheduler_config = self.scheduler_config
         chosen = scheduler_config.disable_chunked_mm_input
         scheduler_config.disable_chunked_mm_input = False
         try:
@@ -125,6 +148,7 @@ PATCHES: tuple[tuple[type | ModuleType, str, Callable[[Callable], Callable]], ..
     (PoolingIOProcessor, "create_pooling_params", _wrap_create_pooling_params),
     (InputProcessor, "process_inputs", _wrap_process_inputs),
     (launchers_app, "init_entrypoints_middleware", _wrap_init_entrypoints_middleware),
+    (decisions_state, "select_read_strategy", _wrap_select_read_strategy),
     (VllmConfig, "validate_block_size", _wrap_validate_block_size),
     (
         EngineArgs,

@@ -60,6 +60,13 @@ logger = init_logger(f"vllm.{__name__}")
 SHARED_HEAD_END = "\n\nQuestion"
 
 
+def needs_state_block_reads(decision: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's reads go through ``read_state_blocks``:
+    prefix_bidir, or a temperature by question count (d3-ultra's). Other D3
+    checkpoints read as vLLM 0.33.0 reads them."""
+    return is_prefix_bidir(decision) or temperature_schedule_of(decision) is not None
+
+
 def _head_and_tail(text: str) -> tuple[str, str] | None:
     """``text`` split after its first ``SHARED_HEAD_END`` that a ``:`` follows;
     ``None`` where there is none."""
@@ -168,6 +175,7 @@ class D3StateBlockReads:
         self.temperature_schedule: TemperatureSchedule | None = temperature_schedule_of(
             decision
         )
+        self.needs_state_block_reads = needs_state_block_reads(decision)
         self.state_once = self.prefix_bidir and state_once_decided(
             vllm_config.additional_config
         )
@@ -197,10 +205,6 @@ class D3StateBlockReads:
         self.last_head: tuple[str, list[int], list[tuple[int, int]]] = ("", [], [])
         #: Where the reads go (the engine client the strategy was built with).
         self.engine_client = engine_client
-
-    @property
-    def needs_state_block_reads(self) -> bool:
-        return self.prefix_bidir or self.temperature_schedule is not None
 
     def temperature_for(self, num_questions: int) -> float:
         """The temperature a request of ``num_questions`` questions divides its
