@@ -5,6 +5,7 @@ not loaded (``VLLM_PLUGINS=""``, vLLM's allow-list of plugin names)."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -26,6 +27,7 @@ from vllm_d3.export import (
     patched_tree,
 )
 from vllm_d3.export.series import CONTRACT, SERIES
+from vllm_d3.testing.vllm_own_tests import SDIST_WORK, fetch_sdist
 
 ROOT = Path(__file__).parent.parent
 
@@ -89,6 +91,39 @@ def test_a_git_checkout_is_cloned_and_left_as_it_was(exported, tmp_path):
     # Only the series' files are copied into the patched tree.
     assert not (tree / "NOTES").exists()
     assert (tree / "vllm" / "__init__.py").is_symlink()
+
+
+def test_the_series_applies_to_vllms_source_distribution(exported, tmp_path):
+    # vLLM 0.33.0's sdist holds its whole tree: the series exports onto it and
+    # git am applies it there, its tests, docs and CI files left as they are.
+    patches, _ = exported
+    sdist = fetch_sdist(ROOT / SDIST_WORK)
+    out = tmp_path / "patches"
+    args = ["export-patches", "--out", str(out), "--vllm-src", str(sdist)]
+    assert main(args) == 0
+    diffs = [p.read_text().split("\n---\n", 1)[1] for p in sorted(out.glob("*"))]
+    assert diffs == [p.read_text().split("\n---\n", 1)[1] for p in patches]
+    repo = tmp_path / "vllm-src"
+    shutil.copytree(sdist, repo)
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
+    files = set(git(repo, "ls-files").splitlines())
+    assert {
+        ".buildkite/test-pipeline.yaml",
+        "tests/conftest.py",
+        "docs/README.md",
+    } <= files
+    git(
+        repo,
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@t",
+        "am",
+        *map(str, sorted(out.glob("*"))),
+    )
+    assert len(git(repo, "log", "--format=%s").splitlines()) == len(SERIES) + 1
 
 
 def test_a_source_without_vllm_is_refused(tmp_path, capsys):

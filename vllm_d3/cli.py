@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     export_parser.add_argument("--out", required=True, help="where the patches go")
     export_parser.add_argument(
         "--vllm-src",
-        help="a vLLM 0.33.0 git checkout, or a directory holding a vllm package "
-        "(default: the installed package's Python files)",
+        help="a vLLM 0.33.0 git checkout, or a source tree holding a vllm package "
+        "such as its sdist's (default: the installed package's Python files)",
     )
     export_parser.add_argument(
         "--patched-tree",

@@ -166,22 +166,31 @@ def installed_vllm() -> Path:
 
 
 def _base_repo(vllm_src: Path | None, repo: Path) -> None:
-    """``repo``: vLLM at the series' base commit."""
+    """``repo``: vLLM at the series' base commit: a clone of a git checkout,
+    the whole of another source tree (vLLM's source distribution: ``tests/``,
+    ``docs/`` and ``.buildkite/`` included), or the installed package's Python
+    files."""
     if vllm_src is not None and (vllm_src / ".git").exists():
         _git(vllm_src, "clone", "-q", "--shared", ".", str(repo.resolve()))
         return
     package = installed_vllm() if vllm_src is None else vllm_src / UPSTREAM
     if not (package / "__init__.py").is_file():
         raise ExportError(f"{package} is not a vllm package directory")
-    for source in package.rglob("*.py"):
-        if "__pycache__" in source.parts:
-            continue
-        target = repo / UPSTREAM / source.relative_to(package)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
+    if vllm_src is not None:
+        skip = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(vllm_src, repo, ignore=skip, dirs_exist_ok=True)
+        base = f"vLLM (the source tree {vllm_src.name})"
+    else:
+        for source in package.rglob("*.py"):
+            if "__pycache__" in source.parts:
+                continue
+            target = repo / UPSTREAM / source.relative_to(package)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+        base = "vLLM (the Python tree of the installed package)"
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "vLLM (the Python tree of the installed package)")
+    _git(repo, "commit", "-q", "-m", base)
 
 
 def _text_as_added(new_file: NewFile, later: Sequence[Patch]) -> str:
