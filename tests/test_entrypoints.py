@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,10 +22,13 @@ from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
 from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
 from vllm.entrypoints.pooling.classify.io_processor import ClassifyIOProcessor
-from vllm.entrypoints.pooling.classify.protocol import ClassificationCompletionRequest
+from vllm.entrypoints.pooling.classify.protocol import (
+    ClassificationChatRequest,
+    ClassificationCompletionRequest,
+)
 from vllm.entrypoints.pooling.classify.serving import ServingClassification
 from vllm.entrypoints.pooling.pooling.protocol import PoolingCompletionRequest
-from vllm.exceptions import VLLMClientError
+from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.inputs import tokens_input
 from vllm.outputs import PoolingOutput, PoolingRequestOutput
 from vllm.pooling_params import PoolingParams
@@ -33,6 +37,10 @@ from vllm.v1.engine.input_processor import InputProcessor
 
 import vllm_d3
 from vllm_d3 import patches
+from vllm_d3.entrypoints.pooling.d3_state_tokens import (
+    check_state_blocks,
+    with_state_tokens,
+)
 
 
 @pytest.mark.plugin
@@ -143,6 +151,31 @@ def test_bad_state_tokens_are_client_errors(prefix_bidir_front_end, extra, messa
     assert "d3_state_tokens" in str(excinfo.value)
 
 
+def test_a_prompt_of_embeddings_is_checked_by_its_length(prefix_bidir_front_end):
+    # An embeddings prompt has no token ids: its length is its rows.
+    processor, _ = prefix_bidir_front_end
+
+    def request(extra):
+        return SimpleNamespace(
+            pooling_params=PoolingParams(task="classify", extra_kwargs=extra),
+            prompt_token_ids=None,
+            prompt_embeds=torch.zeros(12, 8),
+        )
+
+    check_state_blocks(processor.vllm_config, request({"d3_state_tokens": 12}))
+    with pytest.raises(VLLMValidationError) as excinfo:
+        check_state_blocks(processor.vllm_config, request({"d3_state_tokens": 13}))
+    assert (
+        excinfo.value.args[0]
+        == "d3_state_tokens=13 is outside 1..12 (the prompt length)"
+    )
+    assert (excinfo.value.parameter, excinfo.value.value) == ("d3_state_tokens", 13)
+    bad_ends = {"d3_state_tokens": 5, "d3_question_ends": [11]}
+    with pytest.raises(VLLMValidationError) as excinfo:
+        check_state_blocks(processor.vllm_config, request(bad_ends))
+    assert (excinfo.value.parameter, excinfo.value.value) == ("d3_question_ends", [11])
+
+
 def test_packed_requests_need_state_once(prefix_bidir_front_end):
     # On the CPU the config hook turned state once off: ranged attention would
     # let each packed question see the ones before it.
@@ -155,6 +188,17 @@ def test_packed_requests_need_state_once(prefix_bidir_front_end):
     # One question block is what every request is anyway.
     one = {"d3_state_tokens": 5, "d3_question_ends": [12]}
     assert classify(processor, 12, one).pooling_params.extra_kwargs == one
+    # Where the config hook decided state once (a GPU's dense kernel), the
+    # packed request is taken.
+    state_once = SimpleNamespace(
+        model_config=processor.vllm_config.model_config,
+        additional_config={"d3_decided": {"d3_state_once": True}},
+    )
+    request = SimpleNamespace(
+        pooling_params=PoolingParams(task="classify", extra_kwargs=packed),
+        prompt_token_ids=list(range(12)),
+    )
+    check_state_blocks(state_once, request)
 
 
 @pytest.mark.parametrize("ends", [[8, 11], [5, 12], [13], "12"])
@@ -168,6 +212,32 @@ def test_bad_question_ends_are_client_errors(prefix_bidir_front_end, ends):
     )
     with pytest.raises(VLLMClientError, match=re.escape(rule)):
         classify(processor, 12, {"d3_state_tokens": 5, "d3_question_ends": ends})
+
+
+def test_a_list_of_state_sizes_gives_one_per_input(prefix_bidir_front_end):
+    processor, _ = prefix_bidir_front_end
+    model_config = processor.vllm_config.model_config
+    params = PoolingParams(task="classify")
+    # A chat request is one input, whatever its messages.
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    chat = ClassificationChatRequest.model_validate(
+        {"messages": messages, "d3_state_tokens": [3]}
+    )
+    (one,) = with_state_tokens(model_config, chat, params)
+    assert one.extra_kwargs == {"d3_state_tokens": 3}
+    # A completion-like request has one per prompt.
+    two = ClassificationCompletionRequest.model_validate(
+        {"input": ["a", "b"], "d3_state_tokens": [3]}
+    )
+    with pytest.raises(VLLMValidationError) as excinfo:
+        with_state_tokens(model_config, two, params)
+    assert excinfo.value.args[0] == (
+        "d3_state_tokens has 1 values for 2 inputs: give one per input, or one "
+        "int for all"
+    )
+    assert (excinfo.value.parameter, excinfo.value.value) == ("d3_state_tokens", [3])
+    # A request that carries no extra fields keeps its params.
+    assert with_state_tokens(model_config, object(), params) is params
 
 
 def test_other_modes_need_no_state_tokens(make_checkpoint):

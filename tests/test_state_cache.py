@@ -40,7 +40,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_d3.entrypoints.openai.decisions.d3_state_key import state_cache_salt
+from vllm_d3.entrypoints.openai.decisions.d3_state_key import (
+    checkpoint_grid,
+    media_identifiers,
+    state_cache_salt,
+)
 from vllm_d3.v1.core import d3_state_cache
 from vllm_d3.v1.core.d3_state_cache import request_state_tokens, state_hit_limit
 
@@ -244,6 +248,34 @@ def test_the_key_covers_exactly_the_state_and_its_media():
     assert salt != state_cache_salt("", STATE, ["image-a"])
     # What vLLM's requests accept as a cache_salt.
     validate_cache_salt(salt)
+
+
+def test_the_keys_media_are_in_prompt_order():
+    # A rendered input's hashes by modality, each with its placeholder: the
+    # key reads them in the order the prompt holds them, across modalities.
+    def place(offset: int) -> PlaceholderRange:
+        return PlaceholderRange(offset=offset, length=4)
+
+    rendered = {
+        "mm_hashes": {"image": ["image-a", "image-b"], "video": ["video-a"]},
+        "mm_placeholders": {"image": [place(30), place(2)], "video": [place(10)]},
+    }
+    assert media_identifiers(rendered) == ["image-b", "video-a", "image-a"]
+    # A text-only input has none.
+    assert media_identifiers({"prompt_token_ids": [1, 2]}) == []
+    assert media_identifiers({"mm_hashes": None, "mm_placeholders": None}) == []
+
+
+def test_the_checkpoint_grid_is_the_prefix_match_unit_or_the_mamba_block():
+    def cache(unit, block):
+        return SimpleNamespace(prefix_match_unit=unit, mamba_block_size=block)
+
+    assert checkpoint_grid(cache(64, 16)) == 64
+    assert checkpoint_grid(cache(None, 16)) == 16
+    # Align mode always sets the block: without one there is no grid.
+    with pytest.raises(AssertionError) as excinfo:
+        checkpoint_grid(cache(None, None))
+    assert str(excinfo.value) == "align mode sets the Mamba block size"
 
 
 @pytest.mark.parametrize(

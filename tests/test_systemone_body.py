@@ -297,6 +297,9 @@ def test_other_encodings_are_415_naming_them(client, recorder, encoding):
         ("gzip", gzip.compress(b"{}") + b"trailing", "not valid gzip data"),
         ("zstd", b"", "ends before its stream"),
     ],
+    # gzip writes the time into its header: ids from the bytes would differ
+    # from one collection to the next.
+    ids=["zstd-cut", "gzip-cut", "zstd-plain", "gzip-plain", "gzip-trailing", "empty"],
 )
 def test_corrupt_or_truncated_streams_are_400(client, recorder, encoding, body, named):
     assert_refused(post_json(client, body, encoding), 400, named)
