@@ -264,6 +264,11 @@ def test_the_keys_media_are_in_prompt_order():
     # A text-only input has none.
     assert media_identifiers({"prompt_token_ids": [1, 2]}) == []
     assert media_identifiers({"mm_hashes": None, "mm_placeholders": None}) == []
+    # A hash without its placeholder is an error, not a key that leaves a
+    # medium out.
+    unplaced = {"mm_hashes": {"image": ["image-a", "image-b"]}}
+    with pytest.raises(ValueError, match="zip"):
+        media_identifiers({**unplaced, "mm_placeholders": {"image": [place(2)]}})
 
 
 def test_the_checkpoint_grid_is_the_prefix_match_unit_or_the_mamba_block():

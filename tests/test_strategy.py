@@ -569,6 +569,24 @@ def test_question_ends_default_to_one_question():
     assert question_ends_of({"d3_question_ends": [7, 12]}, 12, 5) == [7, 12]
 
 
+@pytest.mark.parametrize(
+    ("question_lens", "limit", "packs"),
+    [
+        ([5, 5, 5], 20, [[0, 1], [2]]),  # 10 + 5 + 5 fills a pack to its limit
+        ([5, 5, 5], 19, [[0], [1], [2]]),
+        ([5, 5, 5], 25, [[0, 1, 2]]),
+        ([20, 3, 3], 25, [[0], [1, 2]]),  # too long for any pack: alone
+        ([3, 20, 3], 25, [[0], [1], [2]]),
+        ([], 20, []),
+    ],
+)
+def test_questions_are_packed_in_order_up_to_the_limit(question_lens, limit, packs):
+    from vllm_d3.entrypoints.openai.decisions.d3_reads import pack_questions
+
+    # Each pack reads the 10-token state again, then its questions.
+    assert pack_questions(10, question_lens, limit) == packs
+
+
 class EncodeSpy:
     """The strategy's tokenizer, recording each call (``calls``) and the texts
     it encodes (``encode``, or called on a text or a batch); with

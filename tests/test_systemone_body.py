@@ -36,7 +36,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 import vllm_d3
 from vllm_d3 import patches
-from vllm_d3.entrypoints.serve.middleware.systemone_body import zstd
+from vllm_d3.entrypoints.serve.middleware.systemone_body import max_body_bytes, zstd
 from vllm_d3.testing.server import app_on_loopback
 
 ROUTE = "/v1/systemone"
@@ -346,6 +346,27 @@ def test_the_limit_is_the_decoded_size(monkeypatch):
     assert post_json(client, body).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("value", "limit"), [(None, 32 << 20), ("1", 1), (" 4096\n", 4096)]
+)
+def test_the_limit_is_read_from_the_environment(monkeypatch, value, limit):
+    if value is None:
+        monkeypatch.delenv("VLLM_D3_MAX_BODY_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_D3_MAX_BODY_BYTES", value)
+    assert max_body_bytes() == limit
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "32MiB", "", " "])
+def test_a_limit_that_is_not_a_positive_number_is_refused(monkeypatch, value):
+    monkeypatch.setenv("VLLM_D3_MAX_BODY_BYTES", value)
+    with pytest.raises(ValueError) as excinfo:
+        max_body_bytes()
+    assert str(excinfo.value) == (
+        f"VLLM_D3_MAX_BODY_BYTES must be a positive number of bytes, not {value!r}"
+    )
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "32MiB", ""])
 def test_the_limit_must_be_a_positive_number_of_bytes(monkeypatch, value):
     monkeypatch.setenv("VLLM_D3_MAX_BODY_BYTES", value)
@@ -405,6 +426,19 @@ def test_assets_become_images_in_order_of_reference(client, recorder):
         data_url("image/webp", webp),
     ]
     assert recorder.requests == [expected(state="First, then last.", images=images)]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "media_type"),
+    [("PNG", "image/png"), ("ICO", "image/x-icon"), ("QOI", "image/qoi")],
+)
+def test_an_images_media_type_is_its_formats(client, recorder, fmt, media_type):
+    # PIL's media type where it has one (an icon's is not image/ico), else
+    # image/ and the format's name.
+    data = image(fmt)
+    request = with_assets("{photo}", {"photo": "asset-0"})
+    assert post_form(client, request, {"asset-0": data}).status_code == 200
+    assert recorder.requests == [with_image("", media_type, data)]
 
 
 def test_a_compressed_form(client, recorder):
