@@ -112,6 +112,9 @@ def start_run(tree: Path, name: str, hf_home: Path, work: Path) -> subprocess.Po
     shutil.copytree(tree / "tests", root / "tests")
     conftest = Path(vllm_own_conftest.__file__).read_text()
     (root / "tests" / "conftest.py").write_text(conftest)
+    # An ini file of its own makes ``root`` pytest's root directory (test ids
+    # start at tests/), whatever project the work folder is inside.
+    (root / "pytest.ini").write_text("[pytest]\n")
     plugin = RUNS[name]
     env = {
         **os.environ,
