@@ -36,7 +36,13 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 import vllm_d3
 from vllm_d3 import patches
-from vllm_d3.entrypoints.serve.middleware.systemone_body import max_body_bytes, zstd
+from vllm_d3.entrypoints.serve.middleware.systemone_body import (
+    BodyRefused,
+    SystemOneBodyMiddleware,
+    json_of_form,
+    max_body_bytes,
+    zstd,
+)
 from vllm_d3.testing.server import app_on_loopback
 
 ROUTE = "/v1/systemone"
@@ -572,6 +578,121 @@ def test_form_refusals_name_what_they_refuse(
 ):
     assert_refused(post_form(client, request_json, parts), 400, named)
     assert recorder.requests == []
+
+
+def form_refusal(body: bytes, content_type: str) -> str:
+    """The message of the 400 ``json_of_form`` answers a form with."""
+    with pytest.raises(BodyRefused) as excinfo:
+        json_of_form(body, content_type)
+    assert excinfo.value.status == 400
+    return str(excinfo.value)
+
+
+def raw_form(*parts: tuple[bytes, bytes]) -> tuple[bytes, str]:
+    """A form of ``(Content-Disposition, data)`` parts, written out here."""
+    body = b"".join(
+        b"--B\r\nContent-Disposition: " + disposition + b"\r\n\r\n" + data + b"\r\n"
+        for disposition, data in parts
+    )
+    return body + b"--B--\r\n", "multipart/form-data; boundary=B"
+
+
+def test_a_forms_parts_need_a_boundary_and_one_name_each():
+    assert (
+        form_refusal(b"", "multipart/form-data")
+        == "the multipart/form-data Content-Type names no boundary"
+    )
+    garbled = form_refusal(b"--B\r\nno header end", "multipart/form-data; boundary=B")
+    assert garbled.startswith("the body is not valid multipart/form-data: ")
+    request = json.dumps(REQUEST).encode()
+    body, content_type = raw_form((b'form-data; name="request"', request))
+    assert form_refusal(body.removesuffix(b"--B--\r\n"), content_type) == (
+        "the multipart/form-data body ends before its closing boundary"
+    )
+    assert form_refusal(*raw_form((b"form-data", request))) == (
+        "a part of the multipart/form-data body has no name"
+    )
+    unnamed = (b'form-data; filename="a.png"', PNG)
+    assert form_refusal(
+        *raw_form((b'form-data; name="request"', request), unnamed)
+    ) == ("a part of the multipart/form-data body has no name")
+    twice = (b'form-data; name="request"', request)
+    assert form_refusal(*raw_form(twice, twice)) == (
+        "the multipart/form-data body has two parts named 'request'"
+    )
+    # A name that is not UTF-8 is read with replacement characters.
+    stray = (b'form-data; name="p\xff"', PNG)
+    assert form_refusal(*raw_form(twice, stray)) == (
+        "no asset names the part(s) ['p\ufffd']"
+    )
+
+
+@pytest.mark.parametrize(
+    ("request_json", "message"),
+    [
+        (
+            {**REQUEST, "assets": []},
+            '"assets" must be an object: {KEY: {"type", "part"}}',
+        ),
+        (
+            {**REQUEST, "assets": {"a": {"type": "video", "part": "p"}}},
+            'asset \'a\' must be {"type": "image", "part": PART} (images are the '
+            'only assets taken), not {"type": "video", "part": "p"}',
+        ),
+        (
+            with_assets(["{a}", "{b}"], {"a": "p", "b": "p"}),
+            "assets 'a' and 'b' name the same part 'p': each part is one asset's",
+        ),
+        (
+            with_assets("{a}", {"a": "p"}, questions={"{a}": {"type": "noul"}}),
+            "questions.{a} uses the asset reference '{a}': a reference can only be "
+            "the whole state or a whole element of the state array",
+        ),
+        (
+            with_assets("x", {"a": "p"}),
+            "the asset(s) ['a'] stand nowhere in the state: an asset is the whole "
+            "state or a whole element of the state array",
+        ),
+        (
+            with_assets("{a}", {"a": "p"}, images=[data_url("image/png", PNG)]),
+            '"images" and image assets in one request: send the images one way',
+        ),
+        (
+            with_assets(["{a}", 3], {"a": "p"}),
+            "state[1] is not text: a state array with assets holds text and asset "
+            "references only",
+        ),
+    ],
+)
+def test_a_forms_assets_are_refused_saying_why(request_json, message):
+    body, content_type = multipart(request_json, {"p": PNG})
+    assert form_refusal(body, content_type) == message
+
+
+def test_the_route_is_found_under_a_root_path():
+    # Behind a proxy the path holds the root path, as vLLM's own
+    # authentication middleware reads it.
+    seen = []
+
+    async def route(scope, receive, send):
+        seen.append((await receive())["body"])
+
+    body = json.dumps(REQUEST).encode()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/api/v1/systemone",
+        "root_path": "/api",
+        "headers": [(b"content-encoding", b"gzip")],
+    }
+    messages = [{"type": "http.request", "body": gzip.compress(body)}]
+
+    async def receive():
+        return messages.pop(0)
+
+    middleware = SystemOneBodyMiddleware(route, max_body_bytes=1 << 20)
+    asyncio.run(middleware(scope, receive, None))
+    assert seen == [body]
 
 
 def test_a_request_part_that_is_not_a_json_object(client, recorder):
