@@ -577,6 +577,7 @@ def test_question_ends_default_to_one_question():
         ([5, 5, 5], 25, [[0, 1, 2]]),
         ([20, 3, 3], 25, [[0], [1, 2]]),  # too long for any pack: alone
         ([3, 20, 3], 25, [[0], [1], [2]]),
+        ([1, 1], 12, [[0, 1]]),  # one-token questions
         ([], 20, []),
     ],
 )

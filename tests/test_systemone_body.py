@@ -616,6 +616,12 @@ def test_a_forms_parts_need_a_boundary_and_one_name_each():
     assert form_refusal(
         *raw_form((b'form-data; name="request"', request), unnamed)
     ) == ("a part of the multipart/form-data body has no name")
+    # A part with no Content-Disposition at all has no name either.
+    body, content_type = raw_form((b'form-data; name="request"', request))
+    headless = b"--B\r\nContent-Type: image/png\r\n\r\n" + PNG + b"\r\n"
+    assert form_refusal(body.replace(b"--B--", headless + b"--B--"), content_type) == (
+        "a part of the multipart/form-data body has no name"
+    )
     twice = (b'form-data; name="request"', request)
     assert form_refusal(*raw_form(twice, twice)) == (
         "the multipart/form-data body has two parts named 'request'"
@@ -669,30 +675,52 @@ def test_a_forms_assets_are_refused_saying_why(request_json, message):
     assert form_refusal(body, content_type) == message
 
 
-def test_the_route_is_found_under_a_root_path():
+@pytest.mark.parametrize(
+    ("path", "root_path"),
+    [("/api/v1/systemone", "/api"), ("/v1/systemone", ""), ("/v1/systemone", None)],
+)
+def test_the_route_is_found_under_its_root_path(path, root_path):
     # Behind a proxy the path holds the root path, as vLLM's own
-    # authentication middleware reads it.
+    # authentication middleware reads it; a scope may also have none.
     seen = []
 
     async def route(scope, receive, send):
-        seen.append((await receive())["body"])
+        seen.append(dict(scope["headers"]))
+        seen.append(await receive())
+        seen.append(await receive())  # what follows the body
 
     body = json.dumps(REQUEST).encode()
     scope = {
         "type": "http",
         "method": "POST",
-        "path": "/api/v1/systemone",
-        "root_path": "/api",
+        "path": path,
         "headers": [(b"content-encoding", b"gzip")],
     }
-    messages = [{"type": "http.request", "body": gzip.compress(body)}]
+    if root_path is not None:
+        scope["root_path"] = root_path
+    messages = [
+        {"type": "http.request", "body": gzip.compress(body)},
+        {"type": "http.disconnect"},
+    ]
 
     async def receive():
         return messages.pop(0)
 
     middleware = SystemOneBodyMiddleware(route, max_body_bytes=1 << 20)
     asyncio.run(middleware(scope, receive, None))
-    assert seen == [body]
+    headers, request, after = seen
+    # A body sent with no Content-Type goes on with none named.
+    assert headers == {b"content-type": b"", b"content-length": str(len(body)).encode()}
+    assert request == {"type": "http.request", "body": body, "more_body": False}
+    assert after == {"type": "http.disconnect"}
+
+
+def test_a_form_content_type_with_more_parameters(client, recorder):
+    png = image("PNG")
+    body, content_type = multipart(with_assets("{a}", {"a": "p"}), {"p": png})
+    headers = {"content-type": f"{content_type}; charset=utf-8"}
+    assert client.post(ROUTE, content=body, headers=headers).status_code == 200
+    assert recorder.requests == [with_image("", "image/png", png)]
 
 
 def test_a_request_part_that_is_not_a_json_object(client, recorder):
