@@ -176,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         "--work", type=Path, default=SDIST_WORK, help="the sdist and the runs"
     )
     args = parser.parse_args(argv)
-    args.work.mkdir(parents=True, exist_ok=True)
-    tree = fetch_sdist(args.work)
-    hf_home = args.work / "hf-home"
+    # Absolute: each run works in a folder of its own, and reads the paths
+    # it is given from there.
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    tree = fetch_sdist(work)
+    hf_home = work / "hf-home"
     config_only_models.write_cache(hf_home)
-    runs = run_both(tree, hf_home, args.work)
+    runs = run_both(tree, hf_home, work)
     known = json.loads(KNOWN_REGRESSIONS.read_text())
     found = regressions(runs["without"]["outcomes"], runs["with"]["outcomes"])
     summary = {
