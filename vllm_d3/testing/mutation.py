@@ -108,6 +108,48 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         BODY,
         'image_format = image.format or "" -> image_format = image.format or "XXXX"',
     ): "an image PIL opened from bytes has its format: the fallback is never read",
+    (
+        BODY,
+        'and scope["path"].removeprefix(scope.get("root_path", "")) == ROUTE -> '
+        'and scope["path"].removeprefix(scope.get("root_path", "XXXX")) == ROUTE',
+    ): 'no path starts with the other default: it removes nothing, as "" does',
+    **{
+        (BODY, f"{line} -> {line.replace(name, name.upper())}"): (
+            "Starlette's headers are case-blind"
+        )
+        for name, line in [
+            (
+                "content-encoding",
+                'encoding = headers.get("content-encoding", "").strip().lower() '
+                "or IDENTITY",
+            ),
+            ("content-type", 'content_type = headers.get("content-type", "")'),
+            ("content-encoding", 'del rewritten["content-encoding"]'),
+            ("content-type", 'rewritten["content-type"] = content_type'),
+            ("content-length", 'rewritten["content-length"] = str(len(body))'),
+        ]
+    },
+    (
+        BODY,
+        "return await e.response()(scope, receive, send) -> "
+        "return await e.response()(scope, None, send)",
+    ): "a JSONResponse sends; it never reads receive",
+    **{
+        (
+            BODY,
+            'scope = {**scope, "headers": list(scope["headers"])} -> '
+            f'scope = {{**scope, "{key}": list(scope["headers"])}}',
+        ): (
+            "the route then gets the original headers list rewritten in place, "
+            "the same headers; only the caller's scope, read by no one after, "
+            "changes too"
+        )
+        for key in ("XXheadersXX", "HEADERS")
+    },
+    (
+        "vllm_d3/entrypoints/openai/decisions/d3_reads.py",
+        "length = limit + 1 -> length = limit + 2",
+    ): ("any start past the limit makes the first question open a pack"),
     (BODY, "self.ended = False -> self.ended = None"): (
         "None is as false as False until the closing boundary sets it"
     ),
@@ -197,6 +239,19 @@ NOT_KILLED: dict[tuple[str, str], str] = {
         "room = self.max_body_bytes + 1 - len(body) -> "
         "room = self.max_body_bytes + 2 - len(body)",
     ): PAST_THE_CAP,
+    (
+        BODY,
+        "out += self.stream.decompress(data, max_length - len(out)) -> "
+        "out += self.stream.decompress(data, max_length + len(out))",
+    ): PAST_THE_CAP,
+    (
+        BODY,
+        "f\"{', '.join(DECOMPRESSORS)} or an unencoded body\", -> "
+        "f\"{'XX, XX'.join(DECOMPRESSORS)} or an unencoded body\",",
+    ): (
+        "only the words of the 415's list of encodings change; its test holds "
+        "the status and the encoding it names, not the list's separators"
+    ),
 }
 
 RECORD = Path("docs/mutation.json")
