@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_d3.testing import config_only_models, vllm_own_conftest
-from vllm_d3.testing.vllm_own_tests import regressions
+from vllm_d3.testing.vllm_own_tests import plugin_env, regressions
 
 pytestmark = pytest.mark.plugin
 
@@ -43,26 +43,32 @@ def test_logs_reach_caplog_vllm(caplog_vllm):
 """
 
 
-def run_sample(tmp_path: Path, plugin: str) -> dict:
-    tests = tmp_path / "tests"
-    tests.mkdir()
-    (tests / "conftest.py").write_text(Path(vllm_own_conftest.__file__).read_text())
-    (tests / "test_sample.py").write_text(SAMPLE_TESTS)
-    (tests / "test_broken_import.py").write_text("import no_such_module\n")
-    report = tmp_path / "report.json"
-    env = {
-        **os.environ,
-        vllm_own_conftest.PLUGIN_ENV: plugin,
-        vllm_own_conftest.REPORT_ENV: str(report),
-        "VLLM_PLUGINS": "d3" if plugin == "on" else "",
-    }
+def run_pytest(tmp_path: Path, plugin: str, tests: dict[str, str], **env: str):
+    """pytest over ``tests`` (file name: source) under the comparison's
+    conftest, with the plugin ``on`` or ``off`` and ``env`` on top."""
+    folder = tmp_path / "tests"
+    folder.mkdir()
+    (folder / "conftest.py").write_text(Path(vllm_own_conftest.__file__).read_text())
+    for name, source in tests.items():
+        (folder / name).write_text(source)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     command += ["--continue-on-collection-errors", "tests"]
-    done = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    return subprocess.run(
+        command,
+        cwd=tmp_path,
+        env={**plugin_env(plugin, tmp_path / "report.json"), **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
+
+
+def run_sample(tmp_path: Path, plugin: str) -> dict:
+    tests = {"test_sample.py": SAMPLE_TESTS}
+    tests["test_broken_import.py"] = "import no_such_module\n"
+    done = run_pytest(tmp_path, plugin, tests)
     assert done.returncode == 1, done.stdout + done.stderr
-    return json.loads(report.read_text())
+    return json.loads((tmp_path / "report.json").read_text())
 
 
 @pytest.mark.parametrize("plugin", ["off", "on"])
@@ -89,24 +95,8 @@ def test_the_conftest_reports_each_tests_outcome_and_the_plugin(tmp_path, plugin
 
 def test_the_conftest_refuses_a_run_with_the_plugin_half_loaded(tmp_path):
     # "off" with vLLM loading the plugin: the run stops before any test.
-    tests = tmp_path / "tests"
-    tests.mkdir()
-    (tests / "conftest.py").write_text(Path(vllm_own_conftest.__file__).read_text())
-    (tests / "test_one.py").write_text("def test_one():\n    pass\n")
-    env = {
-        **os.environ,
-        vllm_own_conftest.PLUGIN_ENV: "off",
-        vllm_own_conftest.REPORT_ENV: str(tmp_path / "report.json"),
-        "VLLM_PLUGINS": "d3",
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "tests"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    tests = {"test_one.py": "def test_one():\n    pass\n"}
+    done = run_pytest(tmp_path, "off", tests, VLLM_PLUGINS="d3")
     assert done.returncode != 0
     assert "vllm-d3 is loaded" in done.stdout + done.stderr
     assert not (tmp_path / "report.json").exists()

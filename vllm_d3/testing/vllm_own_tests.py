@@ -104,6 +104,18 @@ def fetch_sdist(work: Path) -> Path:
     return tree
 
 
+def plugin_env(plugin: str, report: Path) -> dict[str, str]:
+    """This process's environment for a run with the plugin ``on`` or ``off``
+    that reports to ``report``."""
+    return {
+        **os.environ,
+        vllm_own_conftest.PLUGIN_ENV: plugin,
+        vllm_own_conftest.REPORT_ENV: str(report),
+        # Only this plugin is loaded, or none: the runs differ by it alone.
+        "VLLM_PLUGINS": "d3" if plugin == "on" else "",
+    }
+
+
 def start_run(tree: Path, name: str, hf_home: Path, work: Path) -> subprocess.Popen:
     """Start ``TEST_PATHS`` with the plugin as run ``name`` sets it, on a copy
     of the tests of its own under ``work / name`` (its log beside it)."""
@@ -115,13 +127,8 @@ def start_run(tree: Path, name: str, hf_home: Path, work: Path) -> subprocess.Po
     # An ini file of its own makes ``root`` pytest's root directory (test ids
     # start at tests/), whatever project the work folder is inside.
     (root / "pytest.ini").write_text("[pytest]\n")
-    plugin = RUNS[name]
     env = {
-        **os.environ,
-        vllm_own_conftest.PLUGIN_ENV: plugin,
-        vllm_own_conftest.REPORT_ENV: str(root / "report.json"),
-        # Only this plugin is loaded, or none: the runs differ by it alone.
-        "VLLM_PLUGINS": "d3" if plugin == "on" else "",
+        **plugin_env(RUNS[name], root / "report.json"),
         "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
         # vLLM's CPU platform, as its own CPU CI builds it: with no accelerator
         # to detect, vLLM would find no device type.
