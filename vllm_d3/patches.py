@@ -20,13 +20,15 @@ from typing import Any
 
 import vllm.entrypoints.launchers.app as launchers_app
 import vllm.entrypoints.openai.decisions.state as decisions_state
+import vllm.entrypoints.openai.decisions.strategies as vllm_strategies
 from fastapi import FastAPI
 from vllm.config import ModelConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.pooling.base.io_processor import PoolingIOProcessor
 from vllm.v1.engine.input_processor import InputProcessor
 
-from .entrypoints.openai.decisions.strategies import read_strategy_for
+from .entrypoints.openai.decisions.d3_reads import needs_state_block_reads
+from .entrypoints.openai.decisions.strategies import D3Strategy
 from .entrypoints.pooling.d3_state_tokens import (
     check_state_blocks,
     with_state_tokens,
@@ -89,13 +91,18 @@ def _wrap_init_entrypoints_middleware(original: Callable) -> Callable:
 
 def _wrap_select_read_strategy(original: Callable) -> Callable:
     """``select_read_strategy``, as ``entrypoints/openai/decisions/state.py``
-    names it: a D3 checkpoint whose reads need state blocks is read by the
-    plugin's ``D3Strategy``; every other model keeps vLLM's choice
-    (``read_strategy_for``)."""
+    names it: where vLLM chose its ``D3Strategy`` for a checkpoint whose reads
+    need state blocks, the plugin's subclass reads instead; every other model
+    keeps vLLM's choice."""
 
     @wraps(original)
     def select_read_strategy(model_config: ModelConfig, supported_tasks: Any) -> type:
-        return read_strategy_for(model_config, original(model_config, supported_tasks))
+        chosen = original(model_config, supported_tasks)
+        if chosen is vllm_strategies.D3Strategy and needs_state_block_reads(
+            model_config.hf_config.decision_config
+        ):
+            return D3Strategy
+        return chosen
 
     return select_read_strategy
 

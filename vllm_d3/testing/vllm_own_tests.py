@@ -94,6 +94,7 @@ def fetch_sdist(work: Path) -> Path:
         return tree
     archive = work / f"{SDIST_ROOT}.tar.gz"
     if not archive.is_file():
+        work.mkdir(parents=True, exist_ok=True)
         with urllib.request.urlopen(SDIST_URL, timeout=300) as response:
             archive.write_bytes(response.read())
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()

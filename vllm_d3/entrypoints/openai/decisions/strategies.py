@@ -8,9 +8,9 @@ In-tree, ``D3Strategy.read`` hands its rendered engine inputs to
 ``read_state_blocks`` (``d3_reads.py``) where the checkpoint needs it. Here,
 without editing 0.33.0's ``read`` (which renders every question's prompt and
 sends one classify encode per question, concurrently), ``D3Strategy`` extends
-0.33.0's class and keeps that ``read``; ``read_strategy_for`` serves it where
-``needs_state_block_reads`` holds, and 0.33.0's class elsewhere. There,
-``read`` makes the request's
+0.33.0's class and keeps that ``read``; the plugin serves it where
+``needs_state_block_reads`` holds (``patches.py``), and 0.33.0's class
+elsewhere. There, ``read`` makes the request's
 ``_RequestReads`` the current read (``CURRENT_READ``) for the duration of
 0.33.0's ``read``; the engine client that ``read`` sees (``_ReadingEngineClient``)
 hands the current read each encode, which gathers them and reads them together.
@@ -28,7 +28,6 @@ from vllm.entrypoints.openai.decisions.question_types import Question
 from vllm.entrypoints.openai.decisions.strategies import (
     QuestionRead,
     ReadContext,
-    ReadStrategy,
 )
 from vllm.inputs import EngineInput
 from vllm.lora.request import LoRARequest
@@ -38,7 +37,6 @@ from vllm.pooling_params import PoolingParams
 from vllm_d3.entrypoints.openai.decisions.d3_reads import (
     D3StateBlockReads,
     QuestionTokens,
-    needs_state_block_reads,
 )
 
 
@@ -244,16 +242,3 @@ class D3Strategy(upstream.D3Strategy, D3StateBlockReads):
             answer.input_tokens = tokens.computed
             answer.cached_tokens = tokens.cached
         return answers
-
-
-def read_strategy_for(
-    model_config: Any, chosen: type[ReadStrategy]
-) -> type[ReadStrategy]:
-    """The strategy that reads ``model_config``'s requests, given ``chosen``,
-    vLLM's own choice: ``D3Strategy`` for a D3 checkpoint whose reads need
-    state blocks, ``chosen`` for every other model."""
-    if chosen is upstream.D3Strategy and needs_state_block_reads(
-        model_config.hf_config.decision_config
-    ):
-        return D3Strategy
-    return chosen
