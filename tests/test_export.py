@@ -19,12 +19,14 @@ from vllm_d3.export import (
     ExportError,
     NewFile,
     Patch,
+    TreeFile,
     apply_patch,
     export_series,
     in_tree_modules,
     in_tree_test_args,
     installed_vllm,
     patched_tree,
+    series_tests,
 )
 from vllm_d3.export.series import CONTRACT, SERIES
 from vllm_d3.testing.vllm_own_tests import SDIST_WORK, fetch_sdist
@@ -179,7 +181,7 @@ def test_each_diff_changes_vllms_files_or_an_earlier_commits():
     assert diffs()
     for patch in SERIES:
         for change in patch.changes:
-            if isinstance(change, NewFile):
+            if isinstance(change, (NewFile, TreeFile)):
                 added.add(change.path)
                 continue
             text = change.path.read_text()
@@ -306,13 +308,16 @@ def test_each_commits_diff_adds_no_lint_finding(series_repo, index):
             assert not added, f"{change.name} adds to {path}: {dict(added)}"
 
 
-@pytest.mark.parametrize("index", range(len(SERIES)))
+@pytest.mark.parametrize(
+    "index", [i for i, patch in enumerate(SERIES) if patch.control is not None]
+)
 def test_each_commits_control_fails_without_it(series_repo, tmp_path, index):
     # The tree with the commits before this one, no plugin: its control test
     # fails there (in the test, not its set-up), and passes in the run above.
     patch = SERIES[index]
     tree = tmp_path / "tree"
     before = patched_tree(series_repo, installed_vllm(), tree, commits=index)
+    assert patch.control is not None
     run = in_tree(before, *PYTEST, patch.control)
     assert run.returncode == 1, run.stdout[-3000:]
     summary = [
@@ -321,3 +326,29 @@ def test_each_commits_control_fails_without_it(series_repo, tmp_path, index):
         if line.startswith("FAILED ")
     ]
     assert any(test.startswith(patch.control) for test in summary)
+
+
+def series_pytest(tree: Path, tests: list[str]) -> subprocess.CompletedProcess:
+    """pytest on the series' own tests as vLLM runs them, from the root of
+    ``tree`` (its ``tests`` package and its ``vllm``), no plugin allowed."""
+    env = {**os.environ, "VLLM_PLUGINS": "", "PYTHONPATH": str(tree)}
+    return subprocess.run(
+        [sys.executable, *PYTEST, *tests],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize(
+    "index", [i for i, patch in enumerate(SERIES) if series_tests([patch])]
+)
+def test_the_series_own_tests_pass_after_each_commit(series_repo, tmp_path, index):
+    # Bisectable: after each commit that adds tests, its tests and those of the
+    # commits before it pass on the tree it leaves, with no plugin loaded.
+    tree = patched_tree(series_repo, installed_vllm(), tmp_path, commits=index + 1)
+    tests = series_tests(SERIES[: index + 1])
+    run = series_pytest(tree, tests)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert " passed" in run.stdout.splitlines()[-1]

@@ -3,14 +3,16 @@
 
 ``series.SERIES`` lists the commits in a reviewer's order, each a ``Patch``:
 its title, message, changes (``NewFile``: a module of this package written
-whole at the upstream path it mirrors; ``Diff``: a diff of vLLM's files in
-``edits/``), the CPU tests it makes pass in-tree and a control that fails on
-vLLM as released. ``export_series`` commits them over a vLLM repository and
-writes them with ``git format-patch``; ``patched_tree`` makes a runnable copy
-of the installed vLLM with them applied; ``in_tree_modules`` and
-``in_tree_test_args`` serve the in-tree test run (``tests/conftest.py``). A
-0.33.x release whose lines moved under a diff stops the export
-(``ExportError``).
+whole at the upstream path it mirrors; ``TreeFile``: a file of vLLM's tree
+outside ``vllm/``, a test, a docs page or a CI file, kept in ``tree/``;
+``Diff``: a diff of vLLM's files in ``edits/``), the CPU tests it makes pass
+in-tree and a control that fails on vLLM as released; ``series_tests`` are the
+tests the series itself adds, in vLLM's layout. ``export_series`` commits them
+over a vLLM repository and writes them with ``git format-patch``;
+``patched_tree`` makes a runnable copy of the installed vLLM with them applied;
+``in_tree_modules`` and ``in_tree_test_args`` serve the in-tree test run
+(``tests/conftest.py``). A 0.33.x release whose lines moved under a diff stops
+the export (``ExportError``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,19 @@ class NewFile:
 
 #: Where the series' diffs of vLLM's own files are kept.
 EDITS = Path(__file__).parent / "edits"
+#: Where the files the series adds outside ``vllm/`` are kept, at their paths.
+TREE = Path(__file__).parent / "tree"
+
+
+@dataclass(frozen=True)
+class TreeFile:
+    """A file the series adds outside ``vllm/`` (its tests, docs and CI), kept
+    in ``TREE`` at its path in vLLM's tree and written as it is."""
+
+    path: str
+
+    def text(self) -> str:
+        return (TREE / self.path).read_text()
 
 
 @dataclass(frozen=True)
@@ -84,18 +99,20 @@ class Patch:
     """One commit of the series. Its changes apply in order to the tree the
     previous commits left: a ``NewFile`` with its ``vllm_d3`` imports and
     logger name read as vLLM's, less what a later commit's diff changes in it;
-    a ``Diff`` of vLLM's own files, or of one an earlier commit added."""
+    a ``TreeFile`` as it is; a ``Diff`` of vLLM's own files, or of one an
+    earlier commit added."""
 
     title: str
     body: str
-    changes: tuple[NewFile | Diff, ...]
+    changes: tuple[NewFile | TreeFile | Diff, ...]
     tests: tuple[str, ...]
     """The CPU tests this commit makes pass in-tree, without the plugin (pytest
     arguments: files, or tests a ``--deselect`` of an earlier commit left out;
     a ``--deselect`` leaves out a test of a file here that a later commit
     needs)."""
-    control: str
-    """A test of ``tests`` that fails on vLLM as released, without the plugin."""
+    control: str | None
+    """A test of ``tests`` that fails on vLLM as released, without the plugin
+    (``None`` for a commit that changes no code: docs and CI)."""
     backports: tuple[str, ...] = ()
     """Modules of this package that give the plugin this commit's edits on vLLM
     as released, each at the path of the upstream file it stands for; in-tree
@@ -117,6 +134,18 @@ def in_tree_test_args(patches: Sequence[Patch]) -> list[str]:
         and arg.removeprefix("--deselect=") not in named
     }
     return sorted(files) + sorted(tests) + sorted(left_out)
+
+
+def series_tests(patches: Sequence[Patch]) -> list[str]:
+    """The test modules ``patches`` add to vLLM's ``tests/``."""
+    return [
+        change.path
+        for patch in patches
+        for change in patch.changes
+        if isinstance(change, TreeFile)
+        and change.path.startswith("tests/")
+        and Path(change.path).name.startswith("test_")
+    ]
 
 
 def _module_name(package: str, module: str) -> str:
@@ -193,8 +222,8 @@ def _base_repo(vllm_src: Path | None, repo: Path) -> None:
     _git(repo, "commit", "-q", "-m", base)
 
 
-def _text_as_added(new_file: NewFile, later: Sequence[Patch]) -> str:
-    """``new_file``'s text as its commit adds it: the module's, less what the
+def _text_as_added(new_file: NewFile | TreeFile, later: Sequence[Patch]) -> str:
+    """``new_file``'s text as its commit adds it: its own, less what the
     ``later`` commits' diffs change in it."""
     text = new_file.text()
     diffs = [

@@ -7,7 +7,7 @@ the rules live there, in the modules this package serves with.
 ``tests/test_export.py`` applies every diff and lints what it adds.
 """
 
-from . import Diff, NewFile, Patch
+from . import Diff, NewFile, Patch, TreeFile
 
 CONTRACT = Patch(
     title="[Model] D3: serve prefix_bidir checkpoints' config contract",
@@ -32,6 +32,8 @@ config hook, the D3 read strategy and the worker in the following patches.""",
     changes=(
         NewFile("model_executor/models/d3_contract.py"),
         Diff("01-contract.diff"),
+        TreeFile("tests/models/language/pooling/d3_utils.py"),
+        TreeFile("tests/models/language/pooling/test_d3_prefix_bidir_config.py"),
     ),
     tests=("tests/test_config.py",),
     control="tests/test_config.py::test_prefix_bidir_contract",
@@ -62,6 +64,9 @@ wrap it. Every other route and every plain JSON body are untouched.""",
     changes=(
         NewFile("entrypoints/serve/middleware/systemone_body.py"),
         Diff("02-systemone-bodies.diff"),
+        TreeFile(
+            "tests/entrypoints/serve/middleware/test_systemone_body_middleware.py"
+        ),
     ),
     tests=("tests/test_systemone_body.py",),
     control="tests/test_systemone_body.py::test_compressed_bodies",
@@ -88,6 +93,7 @@ untouched.""",
     changes=(
         NewFile("entrypoints/pooling/d3_state_tokens.py"),
         Diff("03-state-tokens.diff"),
+        TreeFile("tests/entrypoints/pooling/test_d3_state_tokens.py"),
     ),
     # Packed requests need the state-once decision, a later commit's.
     tests=(
@@ -222,6 +228,10 @@ Checkpoints that need none of it keep read's plain encodes.""",
         NewFile("entrypoints/openai/decisions/d3_reads.py"),
         NewFile("entrypoints/openai/decisions/d3_state_key.py"),
         Diff("06-state-block-reads.diff"),
+        TreeFile(
+            "tests/entrypoints/generate/structured_decisions/"
+            "test_d3_state_block_reads.py"
+        ),
     ),
     # The packed reads need the config hook's decision, a later commit's.
     tests=(
@@ -355,6 +365,7 @@ refused.""",
     changes=(
         NewFile("v1/core/d3_state_cache.py"),
         Diff("08-state-cache.diff"),
+        TreeFile("tests/v1/core/test_d3_state_cache.py"),
     ),
     tests=(
         "tests/test_state_cache.py",
@@ -367,6 +378,23 @@ refused.""",
     backports=("v1/core/sched/scheduler.py",),
 )
 
+DOCS_AND_CI = Patch(
+    title="[Doc][CI] D3 prefix_bidir: a docs page and its Buildkite step",
+    body="""\
+A page for serving D3 prefix_bidir checkpoints beside the other pooling models
+(what the mode is, the request fields, the state read once and the state
+cache), and a Buildkite area, models_d3.yaml, whose step (labelled as the
+extended-pooling one) runs the D3 tests on one GPU when a file they cover
+changes.""",
+    changes=(
+        TreeFile("docs/models/pooling_models/d3_prefix_bidir.md"),
+        TreeFile(".buildkite/test_areas/models_d3.yaml"),
+    ),
+    tests=(),
+    control=None,
+)
+
+
 SERIES: tuple[Patch, ...] = (
     CONTRACT,
     SYSTEMONE_BODIES,
@@ -376,4 +404,5 @@ SERIES: tuple[Patch, ...] = (
     STATE_BLOCK_READS,
     DENSE_ATTENTION,
     STATE_CACHE,
+    DOCS_AND_CI,
 )
