@@ -258,8 +258,33 @@ Checkpoints that need none of it keep read's plain encodes.""",
 )
 
 
-DENSE_ATTENTION = Patch(
-    title="[Attention] D3 prefix_bidir: dense pieces on any GPU, state once",
+#: The dense-piece tests that need the config hook: DENSE_SERVING's.
+DENSE_SERVING_TESTS_LEFT_OUT = (
+    "--deselect=tests/test_dense_attention.py::test_hook_selects_dense_pieces_where_they_run",
+    "--deselect=tests/test_dense_attention.py::test_state_once_where_dense_pieces_run",
+    "--deselect=tests/test_dense_attention.py::test_the_state_once_switch_and_a_chosen_gdn_kernel",
+    "--deselect=tests/test_dense_attention.py::test_a_quantized_kv_cache_reads_one_question_per_request",
+    "--deselect=tests/test_dense_attention.py::test_a_bad_state_once_switch_stops_start_up",
+    "--deselect=tests/test_dense_attention.py::test_hook_keeps_vllm_selection_without_a_hopper_gpu",
+    "--deselect=tests/test_dense_attention.py::test_a_chosen_backend_wins",
+    "--deselect=tests/test_dense_attention.py::test_flashinfer_autotune_is_skipped_by_default",
+    "--deselect=tests/test_dense_attention.py::test_the_engine_allocator_gets_expandable_segments",
+    "--deselect=tests/test_dense_attention.py::test_the_users_allocator_settings_are_kept",
+    "--deselect=tests/test_dense_attention.py::test_a_kv_connector_keeps_the_allocator_segments_fixed",
+    "--deselect=tests/test_dense_attention.py::test_each_gpu_family_gets_its_kernels_checked",
+    "--deselect=tests/test_dense_attention.py::test_a_kernel_that_fails_its_check_gives_way_to_the_next",
+    "--deselect=tests/test_dense_attention.py::test_no_kernel_passing_its_check_serves_the_ranged_path",
+    "--deselect=tests/test_dense_attention.py::test_the_switch_forces_a_kernel",
+    "--deselect=tests/test_dense_attention.py::test_a_flash_attention_version_chooses_its_kernel",
+    "--deselect=tests/test_dense_attention.py::test_the_switch_forces_the_ranged_path",
+    "--deselect=tests/test_dense_attention.py::test_an_unknown_or_unavailable_kernel_stops_start_up",
+    "--deselect=tests/test_dense_attention.py::test_a_forced_kernel_that_fails_its_check_stops_start_up",
+    "--deselect=tests/test_dense_attention.py::test_a_forced_kernel_beside_a_chosen_backend_stops_start_up",
+)
+
+
+DENSE_BACKEND = Patch(
+    title="[Attention] D3 prefix_bidir: a dense-piece attention backend",
     body="""\
 A prefix_bidir row is not causal attention, and the ranged Triton kernel that
 applies its ranges scans every key for every query (about 50 TFLOP/s on long
@@ -283,6 +308,23 @@ that does not split into pieces (a prompt split across steps) runs on ranged
 Triton, logged once; a packed row there is refused, since no kernel computes
 its mask.
 
+Nothing selects it yet: the next commit's config hook does, where a kernel
+runs.""",
+    changes=(
+        Diff("07-dense-backend.diff"),
+        NewFile("v1/attention/backends/d3_prefix_bidir.py"),
+        NewFile("v1/attention/backends/d3_dense_kernels.py"),
+        NewFile("v1/attention/ops/dense_piece_attention.py"),
+    ),
+    # The config hook's tests come with the next commit.
+    tests=("tests/test_dense_attention.py", *DENSE_SERVING_TESTS_LEFT_OUT),
+    control="tests/test_dense_attention.py::test_backend_registration",
+)
+
+
+DENSE_SERVING = Patch(
+    title="[Attention] D3 prefix_bidir: dense pieces where a kernel runs, state once",
+    body="""\
 The D3 config hook (the new d3_serving module) puts the full-attention layers
 of prefix_bidir checkpoints on it where a kernel runs and the user chose no
 backend: the one additional_config d3_attention_kernel forces, else the
@@ -302,15 +344,12 @@ it. It
 writes its decisions under additional_config d3_decided, beside the user's
 switches, and logs each with its reason.""",
     changes=(
-        Diff("07-dense-attention.diff"),
-        NewFile("v1/attention/backends/d3_prefix_bidir.py"),
-        NewFile("v1/attention/backends/d3_dense_kernels.py"),
+        Diff("08-dense-serving.diff"),
         NewFile("v1/attention/backends/d3_kernel_check.py"),
-        NewFile("v1/attention/ops/dense_piece_attention.py"),
         NewFile("model_executor/models/d3_serving.py"),
     ),
     tests=(
-        "tests/test_dense_attention.py",
+        *(arg.removeprefix("--deselect=") for arg in DENSE_SERVING_TESTS_LEFT_OUT),
         "tests/test_gdn_prefill.py",
         "tests/test_strategy.py::test_state_once_packs_the_questions",
         "tests/test_strategy.py::test_a_pack_too_long_for_the_engine_is_split",
@@ -364,7 +403,7 @@ are in the earlier commits; explicit --enable-chunked-prefill stays
 refused.""",
     changes=(
         NewFile("v1/core/d3_state_cache.py"),
-        Diff("08-state-cache.diff"),
+        Diff("09-state-cache.diff"),
         TreeFile("tests/v1/core/test_d3_state_cache.py"),
     ),
     tests=(
@@ -402,7 +441,8 @@ SERIES: tuple[Patch, ...] = (
     PREFIX_RANGES_HOOK,
     MODEL_STATE,
     STATE_BLOCK_READS,
-    DENSE_ATTENTION,
+    DENSE_BACKEND,
+    DENSE_SERVING,
     STATE_CACHE,
     DOCS_AND_CI,
 )

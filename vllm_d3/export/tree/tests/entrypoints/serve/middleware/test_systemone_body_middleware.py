@@ -118,7 +118,7 @@ def post_form(client: TestClient, state: str, image: bytes):
         "state": state,
         "assets": {"<image:1>": {"type": "image", "part": "asset-0"}},
     }
-    files = {
+    files: dict = {
         "request": (None, json.dumps(request), "application/json"),
         "asset-0": ("asset-0.png", image),
     }
