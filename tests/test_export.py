@@ -246,16 +246,18 @@ print(vllm.__file__, vllm_d3.registration.installed_hooks())
 """
 
 
-def in_tree(tree: Path | None, *args: str) -> subprocess.CompletedProcess:
-    """``python args`` with the patched vLLM (or the installed one) first on the
-    path and no vLLM plugin allowed."""
+def in_tree(
+    tree: Path | None, *args: str, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """``python args`` in ``cwd`` with the patched vLLM (or the installed one)
+    first on the path and no vLLM plugin allowed."""
     env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_D3_IN_TREE": "1"}
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(tree), env.get("PYTHONPATH")])
         )
     return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True
     )
 
 
@@ -328,19 +330,6 @@ def test_each_commits_control_fails_without_it(series_repo, tmp_path, index):
     assert any(test.startswith(patch.control) for test in summary)
 
 
-def series_pytest(tree: Path, tests: list[str]) -> subprocess.CompletedProcess:
-    """pytest on the series' own tests as vLLM runs them, from the root of
-    ``tree`` (its ``tests`` package and its ``vllm``), no plugin allowed."""
-    env = {**os.environ, "VLLM_PLUGINS": "", "PYTHONPATH": str(tree)}
-    return subprocess.run(
-        [sys.executable, *PYTEST, *tests],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-
-
 @pytest.mark.parametrize(
     "index", [i for i, patch in enumerate(SERIES) if series_tests([patch])]
 )
@@ -349,6 +338,7 @@ def test_the_series_own_tests_pass_after_each_commit(series_repo, tmp_path, inde
     # commits before it pass on the tree it leaves, with no plugin loaded.
     tree = patched_tree(series_repo, installed_vllm(), tmp_path, commits=index + 1)
     tests = series_tests(SERIES[: index + 1])
-    run = series_pytest(tree, tests)
+    # From the tree's root, as vLLM runs its tests (its ``tests`` package).
+    run = in_tree(tree, *PYTEST, *tests, cwd=tree)
     assert run.returncode == 0, run.stdout[-3000:]
     assert " passed" in run.stdout.splitlines()[-1]

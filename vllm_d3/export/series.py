@@ -258,28 +258,32 @@ Checkpoints that need none of it keep read's plain encodes.""",
 )
 
 
-#: The dense-piece tests that need the config hook: DENSE_SERVING's.
-DENSE_SERVING_TESTS_LEFT_OUT = (
-    "--deselect=tests/test_dense_attention.py::test_hook_selects_dense_pieces_where_they_run",
-    "--deselect=tests/test_dense_attention.py::test_state_once_where_dense_pieces_run",
-    "--deselect=tests/test_dense_attention.py::test_the_state_once_switch_and_a_chosen_gdn_kernel",
-    "--deselect=tests/test_dense_attention.py::test_a_quantized_kv_cache_reads_one_question_per_request",
-    "--deselect=tests/test_dense_attention.py::test_a_bad_state_once_switch_stops_start_up",
-    "--deselect=tests/test_dense_attention.py::test_hook_keeps_vllm_selection_without_a_hopper_gpu",
-    "--deselect=tests/test_dense_attention.py::test_a_chosen_backend_wins",
-    "--deselect=tests/test_dense_attention.py::test_flashinfer_autotune_is_skipped_by_default",
-    "--deselect=tests/test_dense_attention.py::test_the_engine_allocator_gets_expandable_segments",
-    "--deselect=tests/test_dense_attention.py::test_the_users_allocator_settings_are_kept",
-    "--deselect=tests/test_dense_attention.py::test_a_kv_connector_keeps_the_allocator_segments_fixed",
-    "--deselect=tests/test_dense_attention.py::test_each_gpu_family_gets_its_kernels_checked",
-    "--deselect=tests/test_dense_attention.py::test_a_kernel_that_fails_its_check_gives_way_to_the_next",
-    "--deselect=tests/test_dense_attention.py::test_no_kernel_passing_its_check_serves_the_ranged_path",
-    "--deselect=tests/test_dense_attention.py::test_the_switch_forces_a_kernel",
-    "--deselect=tests/test_dense_attention.py::test_a_flash_attention_version_chooses_its_kernel",
-    "--deselect=tests/test_dense_attention.py::test_the_switch_forces_the_ranged_path",
-    "--deselect=tests/test_dense_attention.py::test_an_unknown_or_unavailable_kernel_stops_start_up",
-    "--deselect=tests/test_dense_attention.py::test_a_forced_kernel_that_fails_its_check_stops_start_up",
-    "--deselect=tests/test_dense_attention.py::test_a_forced_kernel_beside_a_chosen_backend_stops_start_up",
+#: The dense-piece tests of the config hook: DENSE_SERVING's, left out of
+#: DENSE_BACKEND's.
+DENSE_SERVING_TESTS = tuple(
+    f"tests/test_dense_attention.py::{name}"
+    for name in (
+        "test_hook_selects_dense_pieces_where_they_run",
+        "test_state_once_where_dense_pieces_run",
+        "test_the_state_once_switch_and_a_chosen_gdn_kernel",
+        "test_a_quantized_kv_cache_reads_one_question_per_request",
+        "test_a_bad_state_once_switch_stops_start_up",
+        "test_hook_keeps_vllm_selection_without_a_hopper_gpu",
+        "test_a_chosen_backend_wins",
+        "test_flashinfer_autotune_is_skipped_by_default",
+        "test_the_engine_allocator_gets_expandable_segments",
+        "test_the_users_allocator_settings_are_kept",
+        "test_a_kv_connector_keeps_the_allocator_segments_fixed",
+        "test_each_gpu_family_gets_its_kernels_checked",
+        "test_a_kernel_that_fails_its_check_gives_way_to_the_next",
+        "test_no_kernel_passing_its_check_serves_the_ranged_path",
+        "test_the_switch_forces_a_kernel",
+        "test_a_flash_attention_version_chooses_its_kernel",
+        "test_the_switch_forces_the_ranged_path",
+        "test_an_unknown_or_unavailable_kernel_stops_start_up",
+        "test_a_forced_kernel_that_fails_its_check_stops_start_up",
+        "test_a_forced_kernel_beside_a_chosen_backend_stops_start_up",
+    )
 )
 
 
@@ -318,7 +322,10 @@ runs.""",
         TreeFile("tests/v1/attention/test_d3_prefix_bidir_backend.py"),
     ),
     # The config hook's tests come with the next commit.
-    tests=("tests/test_dense_attention.py", *DENSE_SERVING_TESTS_LEFT_OUT),
+    tests=(
+        "tests/test_dense_attention.py",
+        *(f"--deselect={test}" for test in DENSE_SERVING_TESTS),
+    ),
     control="tests/test_dense_attention.py::test_backend_registration",
 )
 
@@ -351,7 +358,7 @@ switches, and logs each with its reason.""",
         TreeFile("tests/models/language/pooling/test_d3_prefix_bidir_serving.py"),
     ),
     tests=(
-        *(arg.removeprefix("--deselect=") for arg in DENSE_SERVING_TESTS_LEFT_OUT),
+        *DENSE_SERVING_TESTS,
         "tests/test_gdn_prefill.py",
         "tests/test_strategy.py::test_state_once_packs_the_questions",
         "tests/test_strategy.py::test_a_pack_too_long_for_the_engine_is_split",

@@ -187,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     # Absolute: each run works in a folder of its own, and reads the paths
     # it is given from there.
     work = args.work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
     tree = fetch_sdist(work)
     hf_home = work / "hf-home"
     config_only_models.write_cache(hf_home)
